@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication, get_authorization_header
 from rest_framework.request import Request
@@ -29,3 +30,20 @@ class BearerTokenAuthentication(TokenAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="taskboard"'
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+    """Describe BearerTokenAuthentication in the OpenAPI document as HTTP bearer auth."""
+
+    target_class = "board.api.authentication.BearerTokenAuthentication"
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": (
+                "An API token: `Authorization: Bearer <token>` (`Token <token>` works too). "
+                "`python manage.py create_agent NAME` prints one."
+            ),
+        }

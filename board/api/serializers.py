@@ -59,14 +59,7 @@ class JSONObjectField(serializers.JSONField):
         return dict(super().to_internal_value(data))
 
 
-@extend_schema_field(
-    {
-        "description": "Any JSON value.",
-        "nullable": True,
-        "type": "object",
-        "additionalProperties": True,
-    }
-)
+@extend_schema_field({"description": "Any JSON value, or null.", "nullable": True})
 class AnyJSONField(serializers.JSONField):
     """Any JSON value, null included."""
 

@@ -60,7 +60,7 @@ def keyset_page(
 
 
 class BoardViewSet(viewsets.GenericViewSet[Any]):
-    """Policy shared by the API: JSON in and out, authenticated users only."""
+    # Policy shared by the API: JSON in and out, authenticated users only.
 
     permission_classes = [permissions.IsAuthenticated]
 
@@ -89,6 +89,8 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
     ),
 )
 class TaskViewSet(BoardViewSet):
+    # Tasks, and the transitions agents and humans make on them.
+
     queryset = Task.objects.all()
     serializer_class = s.TaskSerializer
     # Ids are bigints: a longer string is no task (404), never a database error.
@@ -147,6 +149,11 @@ class TaskViewSet(BoardViewSet):
 
     @extend_schema(
         summary="Extend your lease",
+        description=(
+            "Only the live lease holder may do this: the claim's `lease_token`, the same user, "
+            "and a lease that has not run out. Otherwise 409 `lease_lost`: stop working on "
+            "the task."
+        ),
         request=s.HeartbeatSerializer,
         responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
     )
@@ -156,6 +163,11 @@ class TaskViewSet(BoardViewSet):
 
     @extend_schema(
         summary="Complete your task",
+        description=(
+            "Only the live lease holder may do this: the claim's `lease_token`, the same user, "
+            "and a lease that has not run out. Otherwise 409 `lease_lost`: stop working on "
+            "the task."
+        ),
         request=s.CompleteSerializer,
         responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
     )
@@ -165,6 +177,11 @@ class TaskViewSet(BoardViewSet):
 
     @extend_schema(
         summary="Fail your task (one strike)",
+        description=(
+            "Only the live lease holder may do this: the claim's `lease_token`, the same user, "
+            "and a lease that has not run out. Otherwise 409 `lease_lost`: stop working on "
+            "the task."
+        ),
         request=s.FailSerializer,
         responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
     )
@@ -174,6 +191,11 @@ class TaskViewSet(BoardViewSet):
 
     @extend_schema(
         summary="Release your task (no strike)",
+        description=(
+            "Only the live lease holder may do this: the claim's `lease_token`, the same user, "
+            "and a lease that has not run out. Otherwise 409 `lease_lost`: stop working on "
+            "the task."
+        ),
         request=s.LeaseSerializer,
         responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
     )
@@ -183,6 +205,11 @@ class TaskViewSet(BoardViewSet):
 
     @extend_schema(
         summary="Escalate your task to a human",
+        description=(
+            "Only the live lease holder may do this: the claim's `lease_token`, the same user, "
+            "and a lease that has not run out. Otherwise 409 `lease_lost`: stop working on "
+            "the task."
+        ),
         request=s.EscalateSerializer,
         responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
     )
@@ -254,6 +281,8 @@ class TaskViewSet(BoardViewSet):
 
 
 class EventViewSet(BoardViewSet):
+    # The append-only audit log of every transition.
+
     queryset = TaskEvent.objects.all()
     serializer_class = s.EventSerializer
 
