@@ -204,6 +204,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "board.api.schema.add_stream_endpoint",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "board.models.TaskStatus",
         "EventTypeEnum": "board.models.EventType",

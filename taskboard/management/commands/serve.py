@@ -59,7 +59,9 @@ class Command(BaseCommand):
             host=options["host"],
             port=options["port"],
             workers=options["workers"],
-            lifespan="off",
+            lifespan="on",
+            # Open event streams never end by themselves: give them this long on shutdown.
+            timeout_graceful_shutdown=5,
             log_level=os.environ.get("LOG_LEVEL", "info").lower(),
             proxy_headers=True,
             server_header=False,

@@ -1,0 +1,52 @@
+"""Additions to the generated OpenAPI document for what is not a DRF view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STREAM_PATH = {
+    "get": {
+        "operationId": "stream",
+        "summary": "Every event, live, as server-sent events",
+        "description": (
+            "A `text/event-stream` of every event, each sent as `id: <resume id>`, "
+            "`event: task_event`, `data: <Event JSON>`. Reconnect with the last id received "
+            "(the `Last-Event-ID` header, which EventSource sends itself, or `lastEventId`) "
+            "to be replayed every event missed, in order, none twice, also across server "
+            "restarts. Comment lines keep the connection alive at least every 30 s. "
+            "Without a resume id the stream starts with the next event."
+        ),
+        "tags": ["stream"],
+        "parameters": [
+            {
+                "in": "header",
+                "name": "Last-Event-ID",
+                "schema": {"type": "string"},
+                "description": "Resume after this event.",
+            },
+            {
+                "in": "query",
+                "name": "lastEventId",
+                "schema": {"type": "string"},
+                "description": "Resume after this event (for clients that cannot set headers).",
+            },
+        ],
+        "security": [{"bearerAuth": []}, {"cookieAuth": []}],
+        "responses": {
+            "200": {
+                "description": "The event stream; see the Event schema for each `data:` line.",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            "401": {
+                "description": "No credentials.",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            },
+        },
+    }
+}
+
+
+def add_stream_endpoint(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: document GET /api/v1/stream/."""
+    result.setdefault("paths", {})["/api/v1/stream/"] = STREAM_PATH
+    return result

@@ -1,0 +1,370 @@
+"""The event relay: one LISTEN connection per server process, fanning events out in-process.
+
+Every committed transition NOTIFYs ``task_events`` with the new event's id (migration
+0002). The relay holds one direct psycopg connection (not Django's) that LISTENs, and on
+each notification reads the new rows from ``task_events`` and hands them to its
+subscribers: the SSE streams of this process, and the claims waiting for work.
+
+NOTIFY is only a wake-up call; the table is the source of truth, read in commit-safe order
+(see ``board/sql/stream.sql``): the relay follows a (txid, id) cursor and reads only the
+prefix of the log that can no longer change, so it never skips an event that commits late
+and never delivers one twice. When the connection drops (a restart, a terminated backend)
+it reconnects with backoff and catches up from its cursor, so nothing made during the gap
+is lost.
+
+It keeps the most recent events in memory, so a browser that reconnects is usually
+replayed what it missed without touching the database; older gaps are read from
+``task_events`` through a small pool (at most two connections) shared by all streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from asgiref.sync import sync_to_async
+from django.db import connection
+from django_eventstream.utils import sse_encode_event
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from board.sql import QUERIES
+
+logger = logging.getLogger(__name__)
+
+CHANNEL = "task_events"
+SSE_EVENT_TYPE = "task_event"
+MAX_CURSOR_TXID = str(2**64 - 1)
+MAX_CURSOR_ID = 2**63 - 1
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    """A position in the event log's commit-safe order."""
+
+    txid: int
+    id: int
+
+
+START = Cursor(0, 0)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    cursor: Cursor
+    task_id: int
+    type: str
+    status: str
+    queue: str
+    data: dict[str, Any]
+    sse: bytes = field(repr=False)
+
+
+def _stream_event(row: dict[str, Any]) -> StreamEvent:
+    from board.api.serializers import EventSerializer
+    from board.models import TaskEvent
+
+    event = TaskEvent(
+        id=row["id"],
+        task_id=row["task_id"],
+        type=row["type"],
+        status=row["status"],
+        actor=row["actor"],
+        payload=row["payload"],
+        created_at=row["created_at"],
+    )
+    data = dict(EventSerializer(event).data)
+    text = json.dumps(data, separators=(",", ":"))
+    return StreamEvent(
+        cursor=Cursor(int(row["txid"]), row["id"]),
+        task_id=row["task_id"],
+        type=row["type"],
+        status=row["status"],
+        queue=row["queue"],
+        data=data,
+        sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["id"])).encode(),
+    )
+
+
+class Subscriber:
+    """One consumer's queue of live events. When the consumer falls too far behind, the
+    relay stops queueing and marks it lagging; the consumer then catches up with
+    :meth:`Relay.replay` and :meth:`Relay.resume`. A None in the queue means the relay
+    has stopped."""
+
+    def __init__(self, start: Cursor, maxsize: int) -> None:
+        self.start = start
+        self.queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue(maxsize)
+        self.lagging = False
+
+    def close(self) -> None:
+        self.lagging = False
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(None)
+
+    def offer(self, event: StreamEvent) -> None:
+        if self.lagging:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.lagging = True
+
+    def drain(self) -> list[StreamEvent | None]:
+        events = []
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        return events
+
+
+def django_conninfo() -> str:
+    """Return a libpq connection string for Django's default database, for direct use."""
+    params = connection.get_connection_params()
+    keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
+    kept = {
+        key: value
+        for key, value in params.items()
+        if key in keywords and isinstance(value, str | int) and value != ""
+    }
+    return psycopg.conninfo.make_conninfo(**kept, application_name="taskboard-relay")
+
+
+class Relay:
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        buffer_size: int = 10_000,
+        subscriber_queue: int = 1_000,
+        batch: int = 1_000,
+    ) -> None:
+        self.conninfo = conninfo
+        # The most recent events, complete for every cursor after buffer_floor.
+        self.buffer: deque[StreamEvent] = deque()
+        self.buffer_size = buffer_size
+        self.buffer_floor: Cursor | None = None
+        self.head: Cursor | None = None
+        self.connected = asyncio.Event()
+        self.subscribers: set[Subscriber] = set()
+        self.listeners: set[Callable[[list[StreamEvent]], None]] = set()
+        self.subscriber_queue = subscriber_queue
+        self.batch = batch
+        self.reconnects = 0
+        self.backend_pid: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pool: AsyncConnectionPool | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self, timeout: float = 10) -> None:
+        """Start relaying; return once the LISTEN is in place and the head is known."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="taskboard-relay")
+        await asyncio.wait_for(self.connected.wait(), timeout)
+
+    async def stop(self) -> None:
+        for subscriber in self.subscribers:
+            subscriber.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._listen()
+            except asyncio.CancelledError:
+                raise
+            except (psycopg.Error, OSError) as exc:
+                self.connected.clear()
+                self.reconnects += 1
+                logger.warning("relay: connection lost (%s); reconnecting in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+
+    async def _listen(self) -> None:
+        async with await psycopg.AsyncConnection.connect(
+            self.conninfo, autocommit=True, row_factory=dict_row
+        ) as conn:
+            # LISTEN before reading the head: nothing committed after it goes unnoticed.
+            await conn.execute(f"LISTEN {CHANNEL}")
+            self.backend_pid = conn.info.backend_pid
+            if self.head is None:
+                cur = await conn.execute(QUERIES["stream_head"])
+                row = await cur.fetchone()
+                self.head = Cursor(int(row["txid"]), row["id"]) if row else START
+                self.buffer_floor = self.head
+            held_back = await self._catch_up(conn)
+            self.connected.set()
+            logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
+            while True:
+                # Woken by a notification; while events wait behind an older transaction
+                # that may commit without notifying, look again shortly; otherwise check
+                # the connection now and then.
+                timeout = 0.05 if held_back else 30.0
+                async for _ in conn.notifies(timeout=timeout, stop_after=1):
+                    pass
+                held_back = await self._catch_up(conn)
+
+    async def _catch_up(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Read and deliver everything after the head; return whether events are held back."""
+        assert self.head is not None
+        while True:
+            cur = await conn.execute(
+                QUERIES["stream_after"],
+                {
+                    "txid": str(self.head.txid),
+                    "id": self.head.id,
+                    "upto_txid": MAX_CURSOR_TXID,
+                    "upto_id": MAX_CURSOR_ID,
+                    "limit": self.batch,
+                },
+            )
+            rows = await cur.fetchall()
+            if rows:
+                self._deliver([_stream_event(row) for row in rows])
+            if len(rows) < self.batch:
+                break
+        cur = await conn.execute(
+            QUERIES["stream_held_back"], {"txid": str(self.head.txid), "id": self.head.id}
+        )
+        row = await cur.fetchone()
+        return bool(row and row["held_back"])
+
+    def _deliver(self, events: list[StreamEvent]) -> None:
+        self.buffer.extend(events)
+        while len(self.buffer) > self.buffer_size:
+            self.buffer_floor = self.buffer.popleft().cursor
+        self.head = events[-1].cursor
+        for subscriber in self.subscribers:
+            for event in events:
+                subscriber.offer(event)
+        for listener in list(self.listeners):
+            try:
+                listener(events)
+            except Exception:
+                logger.exception("relay: a listener failed")
+
+    # -- consumers ------------------------------------------------------------------------
+
+    def subscribe(self) -> Subscriber:
+        """Register a queue for every event after the current head."""
+        assert self.head is not None, "start() the relay first"
+        subscriber = Subscriber(self.head, self.subscriber_queue)
+        self.subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers.discard(subscriber)
+
+    def resume(self, subscriber: Subscriber) -> Cursor:
+        """Queue events for a lagging subscriber again; return the head it must replay to."""
+        assert self.head is not None
+        subscriber.drain()
+        subscriber.lagging = False
+        return self.head
+
+    async def replay(self, after: Cursor, upto: Cursor) -> AsyncIterator[list[StreamEvent]]:
+        """Yield the events after ``after`` up to ``upto`` in pages, from memory when
+        possible, else from the database (a pooled connection held for one page only)."""
+        position = after
+        while position < upto:
+            page = self._from_buffer(position, upto)
+            if page is None:
+                page = await self._from_database(position, upto)
+            if not page:
+                return
+            yield page
+            position = page[-1].cursor
+
+    def _from_buffer(self, after: Cursor, upto: Cursor) -> list[StreamEvent] | None:
+        if self.buffer_floor is None or after < self.buffer_floor:
+            return None
+        events = list(self.buffer)
+        cursors = [event.cursor for event in events]
+        low = bisect.bisect_right(cursors, after)
+        return events[low : min(bisect.bisect_right(cursors, upto), low + self.batch)]
+
+    async def _from_database(self, after: Cursor, upto: Cursor) -> list[StreamEvent]:
+        async with self.pool().connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                QUERIES["stream_after"],
+                {
+                    "txid": str(after.txid),
+                    "id": after.id,
+                    "upto_txid": str(upto.txid),
+                    "upto_id": upto.id,
+                    "limit": self.batch,
+                },
+            )
+            rows = await cur.fetchall()
+        return [_stream_event(row) for row in rows]
+
+    async def cursor_of(self, event_id: int) -> Cursor | None:
+        """Return the cursor of the event ``event_id``, or None if there is no such event."""
+        for event in reversed(self.buffer):
+            if event.cursor.id == event_id:
+                return event.cursor
+        async with self.pool().connection() as conn:
+            cur = await conn.execute(QUERIES["stream_cursor_of"], {"id": event_id})
+            row = await cur.fetchone()
+        return Cursor(int(row[0]), row[1]) if row else None
+
+    def pool(self) -> AsyncConnectionPool:
+        """Return the small pool used to replay what is no longer in memory."""
+        if self._pool is None:
+            self._pool = AsyncConnectionPool(
+                self.conninfo,
+                min_size=0,
+                max_size=2,
+                max_idle=60,
+                open=False,
+                name="taskboard-replay",
+            )
+        return self._pool
+
+    async def open_pool(self) -> AsyncConnectionPool:
+        pool = self.pool()
+        if pool.closed:
+            await pool.open()
+        return pool
+
+
+_relays: dict[asyncio.AbstractEventLoop, Relay] = {}
+
+
+async def get_relay() -> Relay:
+    """Return this process's relay (one per event loop), starting it on first use."""
+    loop = asyncio.get_running_loop()
+    relay = _relays.get(loop)
+    if relay is None:
+        conninfo = await sync_to_async(django_conninfo)()
+        relay = _relays.setdefault(loop, Relay(conninfo))
+    await relay.start()
+    await relay.open_pool()
+    return relay
+
+
+async def stop_relays() -> None:
+    """Stop the relay of the running event loop, ending its streams (ASGI shutdown)."""
+    relay = _relays.pop(asyncio.get_running_loop(), None)
+    if relay is not None:
+        await relay.stop()

@@ -1,0 +1,154 @@
+"""A real ASGI server (uvicorn) in a thread of the test process, on the test database."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LiveServer:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            "taskboard.asgi:application",
+            host="127.0.0.1",
+            port=self.port,
+            lifespan="on",
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the live server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+@contextmanager
+def live_server(port: int | None = None) -> Iterator[LiveServer]:
+    server = LiveServer(port).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class StreamCollector:
+    """Hold an SSE stream open in a thread and collect its events and comment lines."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None, **params: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.path = parts.path + ("?" + urlencode(params) if params else "")
+        self.headers = headers or {}
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.comments: list[str] = []
+        self.status: int | None = None
+        self.content_type = ""
+        self.opened = threading.Event()
+        self._socket: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._closed = False
+
+    def __enter__(self) -> StreamCollector:
+        self._thread.start()
+        if not self.opened.wait(10):
+            raise RuntimeError("the stream did not open")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hang up, as a browser closing its tab would."""
+        self._closed = True
+        if self._socket is not None:
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.connect()
+            self._socket = conn.sock
+            conn.request("GET", self.path, headers={"Accept": "text/event-stream", **self.headers})
+            response = conn.getresponse()
+            self.status = response.status
+            self.content_type = response.getheader("content-type", "")
+            self.opened.set()
+            fields: dict[str, str] = {}
+            while True:
+                raw = response.readline()
+                if not raw:
+                    return
+                line = raw.decode().rstrip("\r\n")
+                if line == "":
+                    # A block without data (such as "retry:") dispatches no event.
+                    if "data" in fields:
+                        self.events.put(self._parse(fields))
+                    fields = {}
+                elif line.startswith(":"):
+                    self.comments.append(line)
+                else:
+                    name, _, value = line.partition(":")
+                    fields[name] = value[1:] if value.startswith(" ") else value
+        except (OSError, http.client.HTTPException, ValueError):
+            if not self._closed:
+                raise
+        finally:
+            self.opened.set()
+            conn.close()
+
+    @staticmethod
+    def _parse(fields: dict[str, str]) -> dict[str, Any]:
+        event: dict[str, Any] = dict(fields)
+        if event.get("event") == "task_event":
+            event["json"] = json.loads(event["data"])
+        return event
+
+    def get(self, timeout: float = 5) -> dict[str, Any]:
+        """Return the next event, waiting up to ``timeout`` seconds."""
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no event within {timeout} s") from None
+
+    def take(self, count: int, timeout: float = 5) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        return [self.get(max(0.01, deadline - time.monotonic())) for _ in range(count)]
+
+    def nothing_within(self, seconds: float) -> bool:
+        try:
+            self.events.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        return False
