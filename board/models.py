@@ -7,9 +7,13 @@ NOTIFY of each new event and the partial indexes the claim query runs on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import datetime
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
+from django.db.models import Min
 from django.db.models.functions import Now
 from django.urls import reverse
 
@@ -48,6 +52,16 @@ class TaskQuerySet(models.QuerySet["Task"]):
 
     def escalated(self) -> TaskQuerySet:
         return self.filter(status=TaskStatus.ESCALATED)
+
+    def next_claimable_at(self, queues: Sequence[str] | None = None) -> datetime | None:
+        """Return when the next task in ``queues`` becomes claimable without any event:
+        a pending task's future run_after, or an in-progress task's lease deadline."""
+        tasks = self.filter(queue__in=queues) if queues else self
+        due = tasks.filter(status=TaskStatus.PENDING, run_after__gt=Now()).aggregate(
+            at=Min("run_after")
+        )["at"]
+        expiry = tasks.filter(status=TaskStatus.IN_PROGRESS).aggregate(at=Min("leased_until"))["at"]
+        return min((at for at in (due, expiry) if at is not None), default=None)
 
 
 class Task(models.Model):

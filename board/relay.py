@@ -27,6 +27,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -64,6 +65,9 @@ class StreamEvent:
     type: str
     status: str
     queue: str
+    # The task's run_after and leased_until when the relay read the event.
+    run_after: datetime | None
+    leased_until: datetime | None
     data: dict[str, Any]
     sse: bytes = field(repr=False)
 
@@ -89,6 +93,8 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         type=row["type"],
         status=row["status"],
         queue=row["queue"],
+        run_after=row["run_after"],
+        leased_until=row["leased_until"],
         data=data,
         sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["id"])).encode(),
     )

@@ -1,98 +1,182 @@
 """GET /api/v1/stream/: every event as server-sent events, resumable with Last-Event-ID.
 
-The view is async and holds no database connection while the stream is open: it
-authenticates (one short query, then the connection is closed), subscribes to this
-process's relay (board.relay) and writes what the relay hands it. A client that sends the
-id of the last event it received (the ``Last-Event-ID`` header, which EventSource sends by
-itself on reconnect, or ``?lastEventId=``) is first replayed what it missed, from the
-relay's memory or from ``task_events``, then continues live: in order, none twice.
+This is a plain ASGI endpoint (taskboard/asgi.py routes the path here, in front of
+Django's handler) so that an open stream costs neither a thread nor a database
+connection: Django's handler keeps a worker thread for each request until its response
+ends, which for a stream is never. Authentication (a token, or the session cookie) is one
+short query in a shared worker thread, whose connection is closed straight after.
+
+The stream subscribes to this process's relay (board.relay) and writes what it hands
+over. A client that sends the id of the last event it received (``Last-Event-ID``, which
+EventSource sends by itself on reconnect, or ``?lastEventId=``) is first replayed what it
+missed, from the relay's memory or from ``task_events``, then continues live: in order,
+none twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http.cookies import SimpleCookie
+from importlib import import_module
 from typing import Any
+from urllib.parse import parse_qs
 
 import psycopg
 from asgiref.sync import sync_to_async
-from django.db import connection
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
-from django.views.decorators.http import require_GET
-from rest_framework import exceptions
-from rest_framework.authentication import get_authorization_header
+from django.conf import settings
+from django.db import DatabaseError, connection
 
-from board.api.authentication import BearerTokenAuthentication
-from board.middleware import database_unavailable, error_response, is_database_outage
 from board.relay import Cursor, Relay, get_relay
 
 logger = logging.getLogger(__name__)
 
+PATH = "/api/v1/stream/"
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
 
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-def _authenticate(request: HttpRequest) -> Any:
-    """Return the user from a Bearer/Token header or the session, or None.
 
-    Runs in the request's worker thread; closes that thread's database connection before
-    returning, so an open stream holds none.
+def authenticate(headers: dict[str, str]) -> Any:
+    """Return the active user named by a Bearer/Token header or the session cookie, or None.
+
+    Runs in a worker thread and closes that thread's database connection before returning.
     """
+    from django.contrib.auth import get_user
+    from django.http import HttpRequest
+    from rest_framework.authtoken.models import Token
+
     try:
-        header = get_authorization_header(request).split()
-        if header and header[0].lower() in {b"bearer", b"token"}:
-            result = BearerTokenAuthentication().authenticate(request)  # type: ignore[arg-type]
-            return result[0] if result else None
-        user = request.user
+        keyword, _, key = headers.get("authorization", "").partition(" ")
+        if keyword.lower() in {"bearer", "token"}:
+            token = Token.objects.select_related("user").filter(key=key.strip()).first()
+            return token.user if token and token.user.is_active else None
+        cookies = SimpleCookie(headers.get("cookie", ""))
+        morsel = cookies.get(settings.SESSION_COOKIE_NAME)
+        if morsel is None:
+            return None
+        request = HttpRequest()
+        request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
+        user = get_user(request)
         return user if user.is_authenticated else None
-    except exceptions.AuthenticationFailed:
-        return None
     finally:
         connection.close()
 
 
-def _resume_id(request: HttpRequest) -> int | None:
-    value = request.headers.get("Last-Event-ID") or request.GET.get("lastEventId") or ""
-    value = value.strip()
+def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    value = (headers.get("last-event-id") or (query.get("lastEventId") or [""])[-1]).strip()
     if value.isdigit() and len(value) <= 18:
         return int(value)
     return None
 
 
-@require_GET
-async def stream(request: HttpRequest) -> HttpResponse:
-    try:
-        user = await sync_to_async(_authenticate)(request)
-    except Exception as exc:
-        if is_database_outage(exc):
-            return database_unavailable()
-        raise
-    if user is None:
-        response = error_response(
-            401, "not_authenticated", "Log in, or send 'Authorization: Bearer <token>'."
-        )
-        response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
-        return response
-    request.user = user
+async def respond_json(send: Send, status: int, body: dict[str, Any], **headers: str) -> None:
+    raw = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(raw)).encode()),
+                *(
+                    (name.lower().replace("_", "-").encode(), value.encode())
+                    for name, value in headers.items()
+                ),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": raw})
 
+
+async def unavailable(send: Send) -> None:
+    await respond_json(
+        send,
+        503,
+        {"error": "unavailable", "detail": "The database is unavailable. Try again shortly."},
+        Retry_After="5",
+    )
+
+
+async def application(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI endpoint for GET /api/v1/stream/."""
+    if scope["method"] not in {"GET", "HEAD"}:
+        await respond_json(
+            send, 405, {"error": "method_not_allowed", "detail": "Use GET."}, Allow="GET"
+        )
+        return
+    headers = {
+        name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
+    }
+    try:
+        user = await sync_to_async(authenticate, thread_sensitive=False)(headers)
+    except DatabaseError as exc:
+        logger.warning("stream: database unavailable: %s", exc)
+        await unavailable(send)
+        return
+    if user is None:
+        await respond_json(
+            send,
+            401,
+            {
+                "error": "not_authenticated",
+                "detail": "Log in, or send 'Authorization: Bearer <token>'.",
+            },
+            WWW_Authenticate='Bearer realm="taskboard"',
+        )
+        return
     try:
         relay = await get_relay()
-        resume_id = _resume_id(request)
-        after = await relay.cursor_of(resume_id) if resume_id is not None else None
+        event_id = resume_id(scope, headers)
+        after = await relay.cursor_of(event_id) if event_id is not None else None
     except (TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
-        return database_unavailable()
+        await unavailable(send)
+        return
 
-    response = StreamingHttpResponse(
-        _events(relay, after), content_type="text/event-stream; charset=utf-8"
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache, no-transform"),
+                (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
+            ],
+        }
     )
-    response["Cache-Control"] = "no-cache, no-transform"
-    response["X-Accel-Buffering"] = "no"  # nginx: do not buffer the stream
-    return response
+    if scope["method"] == "HEAD":
+        await send({"type": "http.response.body", "body": b""})
+        return
+
+    async def write() -> None:
+        async for chunk in events(relay, after):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def hang_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    writer, listener = asyncio.create_task(write()), asyncio.create_task(hang_up())
+    try:
+        await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (writer, listener):
+            task.cancel()
+        for task in (writer, listener):
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await task
 
 
-async def _events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
+async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
     """Yield the SSE byte stream: a replay after ``after`` (if given), then live events."""
     subscriber = relay.subscribe()
     try:
@@ -114,13 +198,13 @@ async def _events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
                 yield b": keep-alive\n\n"
                 continue
             queued = [first, *subscriber.drain()]
-            events = [event for event in queued if event is not None]
-            chunk = b"".join(event.sse for event in events if event.cursor > last)
-            if events:
-                last = events[-1].cursor
+            live = [event for event in queued if event is not None]
+            chunk = b"".join(event.sse for event in live if event.cursor > last)
+            if live:
+                last = live[-1].cursor
             if chunk:
                 yield chunk
-            if len(events) < len(queued):
+            if len(live) < len(queued):
                 return  # the relay stopped (server shutdown): the client will reconnect
     finally:
         relay.unsubscribe(subscriber)

@@ -1,32 +1,72 @@
 """The ASGI application that ``manage.py serve`` runs under uvicorn.
 
-Django serves HTTP; the lifespan protocol is handled here so that the process's event
-relay (board.relay) closes its connections and ends open streams on shutdown.
+Django serves the pages and the API as a WSGI application on a fixed pool of worker
+threads (a2wsgi), so that each thread keeps its database connection across requests
+(CONN_MAX_AGE) and a process never holds more connections than it has threads. Django's
+own ASGI handler would run every request on a new thread, with a new connection. In front:
+
+- ``/api/v1/stream/`` goes to board.stream, a plain ASGI endpoint, so that an open stream
+  holds no worker thread and no database connection;
+- ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.waiting, which waits for
+  work between claim attempts outside Django, for the same reason;
+- the lifespan protocol stops the process's event relay on shutdown.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 from typing import Any
 
-from django.core.asgi import get_asgi_application
+from a2wsgi import WSGIMiddleware
+from django.conf import settings
+from django.core.wsgi import get_wsgi_application
+from django.db import connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
 
-django_application = get_asgi_application()
+django_application = WSGIMiddleware(get_wsgi_application(), workers=settings.TASKBOARD_THREADS)
+
+from board import stream, waiting  # noqa: E402  (needs Django set up)
+from board.relay import stop_relays  # noqa: E402
+
+http_application = waiting.WaitingClaims(django_application)
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] != "lifespan":
-        await django_application(scope, receive, send)
-        return
-    from board.relay import stop_relays
+    if scope["type"] == "http" and scope["path"] == stream.PATH:
+        await stream.application(scope, receive, send)
+    elif scope["type"] == "lifespan":
+        await lifespan(receive, send)
+    else:
+        await http_application(scope, receive, send)
 
+
+async def lifespan(receive: Any, send: Any) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await stop_relays()
+            await close_worker_connections()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def close_worker_connections() -> None:
+    """Close the database connection that each worker thread keeps between requests."""
+    workers = settings.TASKBOARD_THREADS
+    barrier = threading.Barrier(workers)
+
+    def close() -> None:
+        # Every job waits for the others, so each of the pool's threads runs exactly one.
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=5)
+        connections.close_all()
+
+    loop = asyncio.get_running_loop()
+    executor = django_application.executor
+    await asyncio.gather(*(loop.run_in_executor(executor, close) for _ in range(workers)))

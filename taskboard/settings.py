@@ -125,7 +125,7 @@ if os.environ.get("DATABASE_URL"):
     DATABASES = {
         "default": dj_database_url.parse(
             os.environ["DATABASE_URL"],
-            conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0),
+            conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300),
             conn_health_checks=True,
         )
     }
@@ -135,7 +135,7 @@ else:
             "ENGINE": "taskboard.embedded",
             "NAME": "taskboard",
             "USER": "postgres",
-            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0),
+            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300),
             "CONN_HEALTH_CHECKS": True,
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
@@ -184,7 +184,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["board.api.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "board.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
@@ -213,6 +213,10 @@ SPECTACULAR_SETTINGS = {
         "EventTypeEnum": "board.models.EventType",
     },
 }
+
+# Worker threads per server process for pages and API requests; each keeps one database
+# connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
+TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 8)
 
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import RegexValidator
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
@@ -14,14 +15,59 @@ from board import conf
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
 
 
+def storable_text_error(text: str) -> str | None:
+    """Say why PostgreSQL cannot store ``text``, or return None if it can."""
+    if "\x00" in text:
+        return "Null characters (\\u0000) are not allowed."
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "Unpaired surrogates are not valid Unicode."
+    return None
+
+
+def storable_json_error(value: Any) -> str | None:
+    """Say why jsonb cannot store ``value`` (walked without recursion), or return None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if error := storable_text_error(item):
+                return error
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 class StrictCharField(serializers.CharField):
-    """A string field that refuses numbers and booleans instead of coercing them."""
+    """A string field that refuses numbers and booleans instead of coercing them, and text
+    that PostgreSQL cannot store."""
 
     default_error_messages = {"invalid": "Must be a string."}
 
     def to_internal_value(self, data: Any) -> str:
         if not isinstance(data, str):
             self.fail("invalid")
+        if error := storable_text_error(data):
+            raise serializers.ValidationError(error)
+        return super().to_internal_value(data)
+
+
+class StrictRegexField(StrictCharField):
+    def __init__(self, regex: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validators.append(RegexValidator(regex, message=self.error_messages["invalid"]))
+
+
+class StorableJSONField(serializers.JSONField):
+    """Any JSON value that jsonb can store."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if error := storable_json_error(data):
+            raise serializers.ValidationError(error)
         return super().to_internal_value(data)
 
 
@@ -48,7 +94,7 @@ class StrictFloatField(serializers.FloatField):
 
 
 @extend_schema_field(OpenApiTypes.OBJECT)
-class JSONObjectField(serializers.JSONField):
+class JSONObjectField(StorableJSONField):
     """A JSON object (a dict), not any JSON value."""
 
     default_error_messages = {"not_an_object": "Must be a JSON object."}
@@ -60,12 +106,12 @@ class JSONObjectField(serializers.JSONField):
 
 
 @extend_schema_field({"description": "Any JSON value, or null.", "nullable": True})
-class AnyJSONField(serializers.JSONField):
+class AnyJSONField(StorableJSONField):
     """Any JSON value, null included."""
 
 
-def queue_field(**kwargs: Any) -> serializers.RegexField:
-    return serializers.RegexField(
+def queue_field(**kwargs: Any) -> StrictRegexField:
+    return StrictRegexField(
         QUEUE_PATTERN,
         max_length=64,
         error_messages={"invalid": "Use 1 to 64 characters of a-z, 0-9, '_' and '-'."},

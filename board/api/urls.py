@@ -5,7 +5,6 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import SimpleRouter
 
 from board.api.views import EventViewSet, TaskViewSet
-from board.stream import stream
 
 app_name = "api"
 
@@ -15,7 +14,6 @@ router.register("events", EventViewSet, basename="event")
 
 urlpatterns = [
     path("", include(router.urls)),
-    path("stream/", stream, name="stream"),
     path("schema/", SpectacularAPIView.as_view(api_version="v1"), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
 ]

@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 
-from board import transitions
+from board import transitions, waiting
 from board.api import serializers as s
 from board.models import Task, TaskEvent
 
@@ -138,7 +138,14 @@ class TaskViewSet(BoardViewSet):
         for claim in claims:
             claim.task.lease_token = claim.lease_token  # type: ignore[assignment]
             tasks.append(claim.task)
-        return Response({"tasks": s.ClaimedTaskSerializer(tasks, many=True).data})
+        response = Response({"tasks": s.ClaimedTaskSerializer(tasks, many=True).data})
+        if not tasks and data["wait"] > 0:
+            # For board.waiting, which holds the request between attempts: when work next
+            # becomes claimable without an event to announce it.
+            at = Task.objects.next_claimable_at(data["queues"])
+            if at is not None:
+                response[waiting.HINT_HEADER.decode()] = str(at.timestamp())
+        return response
 
     def _transition(self, pk: str, transition: Any, serializer_class: Any) -> Response:
         """Validate the body with ``serializer_class``, apply ``transition``, render the task."""

@@ -17,7 +17,7 @@ LIMIT 1;
 -- name: stream_after
 -- Up to %(limit)s events after the cursor and up to the upper cursor, in stream order.
 SELECT e.id, e.task_id, e.type, e.status, e.actor, e.payload, e.created_at,
-       e.txid::text AS txid, t.queue
+       e.txid::text AS txid, t.queue, t.run_after, t.leased_until
 FROM task_events e
 JOIN tasks t ON t.id = e.task_id
 WHERE (e.txid, e.id) > (%(txid)s::xid8, %(id)s)

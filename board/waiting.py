@@ -1,0 +1,298 @@
+"""Claims that wait for work: ``POST /api/v1/tasks/claim/`` with ``wait`` > 0.
+
+A waiting claim must not cost a thread or a database connection while it waits, so that
+hundreds of idle agents can wait on one small server. The waiting therefore happens here,
+in ASGI middleware in front of Django, between claim attempts that each go through Django
+as an ordinary, short request (authentication, validation, the claim statement):
+
+1. The claim is attempted at once. If it returns tasks, fails, or has no ``wait``, that is
+   the answer.
+2. Otherwise the request waits in this process's :class:`WaitingRoom` until it is woken or
+   its time is up, then tries again. It is woken by the relay (board.relay), which reads
+   every committed event after its NOTIFY: an event that leaves a task pending (created,
+   released, failed, requeued, expired) wakes the longest-waiting claim for that queue.
+   One new task wakes one waiter, the others keep waiting; a waiter that finds the task
+   gone (another agent was faster) waits again at its place in line.
+3. Work can also become claimable without an event: a ``run_after`` coming due, or a
+   lease running out. An empty attempt reports when that next happens for its queues
+   (the internal ``Taskboard-Next-Claimable`` header, from the claim view), and the
+   waiter wakes itself then. While claims wait, the room also sets a timer for each
+   lease and ``run_after`` that the relay reports.
+
+The waiter joins the room before its first attempt, so a task committed while an attempt
+runs still wakes it: no wake-up is lost between an empty attempt and the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from board import conf
+from board.relay import Relay, StreamEvent, get_relay
+
+logger = logging.getLogger(__name__)
+
+CLAIM_PATH = "/api/v1/tasks/claim/"
+HINT_HEADER = b"taskboard-next-claimable"
+# Events after which the task is pending (and so possibly claimable) again.
+RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired"}
+LEASE_EVENTS = {"claimed", "heartbeat"}
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_sequence = itertools.count()
+
+
+@dataclass(eq=False)
+class Waiter:
+    queues: frozenset[str] | None  # None: every queue
+    seq: int = field(default_factory=lambda: next(_sequence))
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+    woken_for: str | None = None
+
+    def wants(self, queue: str) -> bool:
+        return self.queues is None or queue in self.queues
+
+
+class WaitingRoom:
+    """The claims waiting in this process, in arrival order, and what wakes them."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.waiters: list[Waiter] = []
+        self._timers: dict[tuple[int, float], asyncio.TimerHandle] = {}
+        relay.listeners.add(self.on_events)
+
+    def enter(self, queues: frozenset[str] | None) -> Waiter:
+        waiter = Waiter(queues)
+        self.waiters.append(waiter)
+        return waiter
+
+    def leave(self, waiter: Waiter) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiters.remove(waiter)
+        if waiter.woken.is_set() and waiter.woken_for is not None:
+            # Woken for a task it did not take: pass the wake-up on.
+            self.wake_one(waiter.woken_for)
+
+    async def wait(self, waiter: Waiter, until: float) -> None:
+        """Wait until woken or ``until`` (a time.time()), whichever comes first."""
+        timeout = until - time.time()
+        if timeout > 0 and not waiter.woken.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.woken.wait(), timeout)
+        waiter.woken.clear()
+        waiter.woken_for = None
+
+    def wake_one(self, queue: str) -> None:
+        """Wake the longest-waiting claim that wants ``queue`` and is not awake already."""
+        for waiter in self.waiters:
+            if waiter.wants(queue) and not waiter.woken.is_set():
+                waiter.woken_for = queue
+                waiter.woken.set()
+                return
+
+    def on_events(self, events: list[StreamEvent]) -> None:
+        """Relay listener: wake waiters for work that became (or will become) claimable."""
+        if not self.waiters:
+            return
+        now = time.time()
+        for event in events:
+            if event.type in RETURNS_TO_PENDING and event.status == "pending":
+                due = event.run_after.timestamp() if event.run_after else now
+                self._at(due, event.task_id, event.queue)
+            elif event.type in LEASE_EVENTS and event.leased_until is not None:
+                self._at(event.leased_until.timestamp(), event.task_id, event.queue)
+
+    def _at(self, when: float, task_id: int, queue: str) -> None:
+        delay = when - time.time()
+        if delay <= 0:
+            self.wake_one(queue)
+            return
+        key = (task_id, when)
+        if key in self._timers:
+            return
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._timers.pop(key, None)
+            self.wake_one(queue)
+
+        # A lease timer may find the lease extended by then: the woken claim finds nothing
+        # and waits again, at its place in line.
+        self._timers[key] = loop.call_later(delay + 0.01, fire)
+
+
+async def waiting_room() -> WaitingRoom:
+    relay = await get_relay()
+    room: WaitingRoom | None = getattr(relay, "waiting_room", None)
+    if room is None:
+        room = WaitingRoom(relay)
+        relay.waiting_room = room  # type: ignore[attr-defined]
+    return room
+
+
+def parse_wait(body: bytes) -> tuple[float, frozenset[str] | None] | None:
+    """Return (wait seconds, queues) if the body asks to wait, else None.
+
+    Only the two fields that matter here are read; Django validates the whole body on each
+    attempt and answers 400 for anything wrong, which ends the wait.
+    """
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    wait, queues = data.get("wait", 0), data.get("queues")
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or wait <= 0:
+        return None
+    if queues is not None and not (
+        isinstance(queues, list) and all(isinstance(q, str) for q in queues)
+    ):
+        return None
+    return min(float(wait), conf.MAX_WAIT_SECONDS), (frozenset(queues) if queues else None)
+
+
+@dataclass
+class CapturedResponse:
+    start: Message
+    body: bytes
+
+    @property
+    def status(self) -> int:
+        return int(self.start["status"])
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.start.get("headers", []):
+            if key.lower() == name:
+                return bytes(value)
+        return None
+
+    def claimed_nothing(self) -> bool:
+        if self.status != 200:
+            return False
+        try:
+            return json.loads(self.body).get("tasks") == []
+        except (ValueError, AttributeError):
+            return False
+
+    async def send_to(self, send: Send) -> None:
+        headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != HINT_HEADER]
+        await send({**self.start, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class WaitingClaims:
+    """ASGI middleware: hold claims with ``wait`` > 0 between attempts, without a thread."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not (
+            scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CLAIM_PATH
+        ):
+            await self.app(scope, receive, send)
+            return
+        body, complete = await self._read_body(receive)
+        request = parse_wait(body) if complete else None
+        if request is None:
+            await self.app(scope, _replay(body, receive, complete), send)
+            return
+        wait, queues = request
+        deadline = time.time() + wait
+        try:
+            room = await waiting_room()
+        except Exception as exc:  # no relay (database down): claim once, without waiting
+            logger.warning("waiting claims: relay unavailable (%s); not waiting", exc)
+            await self.app(scope, _replay(body, receive, True), send)
+            return
+
+        waiter = room.enter(queues)
+        disconnected = asyncio.ensure_future(_disconnect(receive))
+        try:
+            while True:
+                waiter.woken.clear()
+                response = await self._attempt(scope, body)
+                if not response.claimed_nothing() or time.time() >= deadline:
+                    await response.send_to(send)
+                    return
+                until = deadline
+                hint = response.header(HINT_HEADER)
+                if hint:
+                    with contextlib.suppress(ValueError):
+                        until = min(until, float(hint) + 0.01)
+                waiting = asyncio.ensure_future(room.wait(waiter, until))
+                await asyncio.wait({waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected.done():
+                    waiting.cancel()
+                    return
+        finally:
+            disconnected.cancel()
+            room.leave(waiter)
+
+    async def _attempt(self, scope: Scope, body: bytes) -> CapturedResponse:
+        """Run one claim through Django and capture its response."""
+        start: Message = {}
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, _replay(body, _never, True), capture)
+        return CapturedResponse(start, b"".join(chunks))
+
+    @staticmethod
+    async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+        """Read the request body, up to the size limit; report whether it is complete."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks), False
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), True
+            if size > conf.MAX_BODY_BYTES:
+                return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive, complete: bool) -> Receive:
+    """Return a receive() that hands over ``body`` first, then defers to ``receive``."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": not complete}
+        return await receive()
+
+    return replay
+
+
+async def _never() -> Message:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
