@@ -1,0 +1,174 @@
+"""The admin's read-only view of every task and event.
+
+Nothing here writes: tasks change only through ``board.transitions`` (the escalation queue
+in ``escalations.admin`` offers the human transitions), and the event log is append-only.
+The event inline and the JSON rendering live here, for both admins.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.utils import flatten_fieldsets
+from django.contrib.admin.views.main import ChangeList
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from board.models import Task, TaskEvent
+
+admin.site.site_header = "Taskboard administration"
+admin.site.site_title = "Taskboard admin"
+admin.site.index_title = "Taskboard"
+
+
+def json_block(value: Any) -> SafeString:
+    """Return ``value`` as indented JSON in a ``<pre>``, escaped."""
+    return format_html("<pre>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False))
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """A model admin that shows and never adds, edits or deletes."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class TaskEventInline(admin.TabularInline):
+    """A task's event history, oldest first, read-only."""
+
+    model = TaskEvent
+    readonly_fields = ("number", "type", "status", "actor", "event_payload", "created_at")
+    fields = readonly_fields
+    ordering = ["id"]
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = False
+    verbose_name = "event"
+    verbose_name_plural = "event history"
+
+    @admin.display(description="#")
+    def number(self, event: TaskEvent) -> int:
+        return event.pk
+
+    @admin.display(description="payload")
+    def event_payload(self, event: TaskEvent) -> SafeString:
+        return json_block(event.payload)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # The history is part of the task: it is shown wherever the parent admin has
+        # already let the user view the task, whatever their permissions on TaskEvent.
+        return True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class TaskChangeList(ChangeList):
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        # No list shows these, and a payload alone may be up to a MiB: leave them in the
+        # database (searching description still works, it is a filter).
+        queryset = super().get_queryset(request, exclude_parameters)
+        return queryset.defer("payload", "result", "description")
+
+
+class ReadOnlyTaskAdmin(ReadOnlyAdmin):
+    """A read-only task admin, with the renderings the task and escalation admins share."""
+
+    inlines = [TaskEventInline]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return TaskChangeList
+
+    @admin.display(description="payload")
+    def task_payload(self, task: Task) -> SafeString:
+        return json_block(task.payload)
+
+    @admin.display(description="result")
+    def task_result(self, task: Task) -> SafeString:
+        return json_block(task.result)
+
+    @admin.display(description="last error")
+    def task_last_error(self, task: Task) -> SafeString | str:
+        if task.last_error is None:
+            return self.get_empty_value_display()
+        return format_html("<pre>{}</pre>", task.last_error)
+
+    @admin.display(description="failures", ordering="failure_count")
+    def failures(self, task: Task) -> str:
+        return f"{task.failure_count}/{task.max_failures}"
+
+    @admin.display(description="leased by", ordering="leased_by")
+    def holder(self, task: Task) -> str | None:
+        # The foreign key holds the username itself: no join to auth_user needed.
+        return task.leased_by_id
+
+
+@admin.register(Task)
+class TaskAdmin(ReadOnlyTaskAdmin):
+    list_display = [
+        "id",
+        "title",
+        "queue",
+        "status",
+        "holder",
+        "leased_until",
+        "failure_count",
+        "created_at",
+    ]
+    list_display_links = ["id", "title"]
+    list_filter = ["status", "queue"]
+    search_fields = ["title"]
+    # The lease token is a secret of the holder and is never shown.
+    fieldsets = [
+        (None, {"fields": ["title", "description", "queue", "priority", "status"]}),
+        (
+            "Lease and strikes",
+            {
+                "fields": [
+                    "holder",
+                    "leased_until",
+                    "lease_seconds",
+                    "run_after",
+                    "failures",
+                    "task_last_error",
+                ]
+            },
+        ),
+        ("Data", {"fields": ["task_payload", "task_result"]}),
+        ("Record", {"fields": ["created_by", "created_at", "updated_at"]}),
+    ]
+    readonly_fields = flatten_fieldsets(fieldsets)
+
+
+@admin.register(TaskEvent)
+class TaskEventAdmin(ReadOnlyAdmin):
+    list_display = ["id", "task", "type", "status", "actor", "created_at"]
+    list_filter = ["type", "status"]
+    search_fields = ["actor"]
+    ordering = ["-id"]
+    list_select_related = ["task"]
+    # Counting the whole log on every page is slow once it is long.
+    show_full_result_count = False
+    readonly_fields = ("id", "task", "type", "status", "actor", "event_payload", "created_at")
+    fields = readonly_fields
+
+    @admin.display(description="payload")
+    def event_payload(self, event: TaskEvent) -> SafeString:
+        return json_block(event.payload)

@@ -1,0 +1,707 @@
+"""The admin: the escalation queue (escalations.admin) and the read-only task and event lists.
+
+Escalated tasks are made as in production: created, claimed and failed (or escalated) through
+board.transitions. The admin itself must only ever call the transitions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.contrib.messages import get_messages
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from board import transitions
+from board.models import EventType, Task, TaskEvent, TaskStatus
+from tests.factories import StaffFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+QUEUE_URL = reverse("admin:escalations_escalatedtask_changelist")
+
+_queue_names = itertools.count()
+
+
+def change_url(task_id: int) -> str:
+    return reverse("admin:escalations_escalatedtask_change", args=[task_id])
+
+
+def button_url(task_id: int, name: str) -> str:
+    return reverse(f"admin:escalations_escalatedtask_{name}", args=[task_id])
+
+
+def messages_of(response: Any) -> list[str]:
+    return [str(message) for message in get_messages(response.wsgi_request)]
+
+
+def history(task_id: int) -> list[tuple[str, str, str]]:
+    """Return the task's events as (type, status, actor), oldest first."""
+    return list(
+        TaskEvent.objects.filter(task_id=task_id)
+        .order_by("id")
+        .values_list("type", "status", "actor")
+    )
+
+
+def last_event(task_id: int) -> TaskEvent:
+    return TaskEvent.objects.filter(task_id=task_id).latest("id")
+
+
+def state_of(task_id: int) -> dict[str, Any]:
+    return dict(
+        Task.objects.values("status", "failure_count", "result", "updated_at").get(pk=task_id)
+    )
+
+
+def grant(user: Any, *codenames: str) -> Any:
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="escalations", codename__in=codenames)
+    )
+    return user
+
+
+def logged_in(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def escalated(make_task: Callable[..., Task], agent: Any) -> Callable[..., Task]:
+    """Return a function that makes an escalated task: created, claimed, then failed.
+
+    With ``reason``, the holder escalates it by hand instead of failing it.
+    """
+
+    def make(*, error: str = "boom", reason: str | None = None, **kwargs: Any) -> Task:
+        # Alone in its queue when claimed, so the claim gets exactly this task.
+        kwargs.setdefault("queue", f"q-{next(_queue_names)}")
+        task = make_task(max_failures=1, **kwargs)
+        [claim] = transitions.claim(actor=agent, queues=[task.queue])
+        assert claim.task.pk == task.pk
+        if reason is None:
+            task = transitions.fail(
+                task_id=task.pk, actor=agent, lease_token=claim.lease_token, error=error
+            )
+        else:
+            task = transitions.escalate(
+                task_id=task.pk, actor=agent, lease_token=claim.lease_token, reason=reason
+            )
+        assert task.status == TaskStatus.ESCALATED
+        return task
+
+    return make
+
+
+@pytest.fixture
+def triager(staff: Any) -> Any:
+    """A staff member who may view the queue and requeue, resolve and cancel its tasks."""
+    return grant(staff, "view_escalatedtask", "triage_task")
+
+
+@pytest.fixture
+def triager_client(triager: Any) -> Client:
+    return logged_in(triager)
+
+
+@pytest.fixture
+def watcher(db: None) -> Any:
+    """A staff member who may view the queue but not triage it."""
+    return grant(StaffFactory(username="ops-bob"), "view_escalatedtask")
+
+
+# -- The queue --------------------------------------------------------------------------
+
+
+def test_the_queue_lists_only_escalated_tasks_with_when_and_why_they_escalated(
+    triager_client: Client, escalated: Callable[..., Task], make_task: Callable[..., Task]
+) -> None:
+    failed = escalated(title="flaky import", error="ConnectionResetError: peer went away")
+    handed_over = escalated(title="needs judgement", reason="the invoice total is negative")
+    make_task(title="still pending")
+
+    response = triager_client.get(QUEUE_URL)
+
+    assert response.status_code == 200
+    rows = list(response.context["cl"].result_list)
+    assert [task.pk for task in rows] == [failed.pk, handed_over.pk]
+    escalations = {e.task_id: e for e in TaskEvent.objects.filter(type=EventType.ESCALATED)}
+    assert [(task.escalated_at, task.escalation_reason) for task in rows] == [
+        (escalations[failed.pk].created_at, "failed 1 of 1 times"),
+        (escalations[handed_over.pk].created_at, "the invoice total is negative"),
+    ]
+    page = response.content.decode()
+    assert "flaky import" in page
+    assert "ConnectionResetError: peer went away" in page
+    assert "failed 1 of 1 times" in page
+    assert "1/1" in page
+    assert "the invoice total is negative" in page
+    assert "still pending" not in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_queue_lists_the_oldest_escalation_first(
+    make_task: Callable[..., Task], agent: Any, triager: Any
+) -> None:
+    # Each transition commits on its own here, so each escalation gets its own now().
+    first, second, third = (make_task(title=name, queue=name, max_failures=1) for name in "abc")
+    for task in (third, first, second):
+        [claim] = transitions.claim(actor=agent, queues=[task.queue])
+        transitions.escalate(
+            task_id=task.pk, actor=agent, lease_token=claim.lease_token, reason="stuck"
+        )
+
+    response = logged_in(triager).get(QUEUE_URL)
+
+    rows = list(response.context["cl"].result_list)
+    assert [task.pk for task in rows] == [third.pk, first.pk, second.pk]
+    assert rows[0].escalated_at < rows[1].escalated_at < rows[2].escalated_at
+
+
+def test_the_queue_page_costs_the_same_queries_for_one_task_or_many(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    escalated()
+    with CaptureQueriesContext(connection) as one:
+        assert triager_client.get(QUEUE_URL).status_code == 200
+    for _ in range(4):
+        escalated()
+    with CaptureQueriesContext(connection) as five:
+        response = triager_client.get(QUEUE_URL)
+
+    assert len(response.context["cl"].result_list) == 5
+    assert len(five) == len(one)
+
+
+def test_the_queue_can_be_sorted_by_escalation_time(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    tasks = [escalated() for _ in range(3)]
+    column = triager_client.get(QUEUE_URL).context["cl"].list_display.index("escalated_at")
+
+    newest_first = triager_client.get(QUEUE_URL, {"o": f"-{column}"})
+
+    assert newest_first.status_code == 200
+    # Within one test transaction the times tie, and the tie breaks on -pk.
+    assert [task.pk for task in newest_first.context["cl"].result_list] == [
+        task.pk for task in reversed(tasks)
+    ]
+
+
+def test_the_queue_filters_by_queue_and_searches_title_description_and_last_error(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    billing = escalated(queue="billing", title="charge card", error="card declined")
+    mail = escalated(queue="mail", title="send digest", description="weekly newsletter")
+
+    def listed(**params: str) -> list[int]:
+        response = triager_client.get(QUEUE_URL, params)
+        assert response.status_code == 200
+        return [task.pk for task in response.context["cl"].result_list]
+
+    assert listed(queue="billing") == [billing.pk]
+    assert listed(q="declined") == [billing.pk]
+    assert listed(q="newsletter") == [mail.pk]
+    assert listed(q="digest") == [mail.pk]
+
+
+# -- The list's actions -----------------------------------------------------------------
+
+
+def test_requeue_puts_the_escalated_tasks_back_and_reports_the_one_that_was_not(
+    triager_client: Client, escalated: Callable[..., Task], staff: Any
+) -> None:
+    first, second, settled = escalated(), escalated(), escalated()
+    transitions.resolve(task_id=settled.pk, actor=staff, note="done elsewhere")
+    settled_before = state_of(settled.pk)
+
+    response = triager_client.post(
+        QUEUE_URL,
+        {
+            "action": "requeue",
+            "index": 0,
+            "_selected_action": [first.pk, second.pk, settled.pk],
+        },
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) == ["Requeued 2 tasks; skipped 1 that was no longer escalated."]
+    for task in (first, second):
+        assert state_of(task.pk)["status"] == TaskStatus.PENDING
+        assert state_of(task.pk)["failure_count"] == 0
+        event = last_event(task.pk)
+        assert (event.type, event.status, event.actor) == ("requeued", "pending", "ops-alice")
+    assert state_of(settled.pk) == settled_before
+    assert last_event(settled.pk).type == EventType.RESOLVED
+
+
+def test_requeue_across_the_whole_filtered_queue_requeues_every_task_in_it(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    billing = [escalated(queue="billing"), escalated(queue="billing")]
+    other = escalated(queue="mail")
+
+    response = triager_client.post(
+        f"{QUEUE_URL}?queue=billing",
+        {
+            "action": "requeue",
+            "index": 0,
+            "select_across": 1,
+            "_selected_action": [billing[0].pk],
+        },
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) == ["Requeued 2 tasks."]
+    assert [state_of(task.pk)["status"] for task in billing] == ["pending", "pending"]
+    assert state_of(other.pk)["status"] == TaskStatus.ESCALATED
+
+
+def test_resolve_asks_for_a_note_and_a_result_before_it_settles_the_tasks(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    first, second = escalated(), escalated()
+    selection = {"action": "resolve", "_selected_action": [first.pk, second.pk]}
+
+    form_page = triager_client.post(QUEUE_URL, {**selection, "index": 0})
+
+    assert form_page.status_code == 200
+    assert form_page.templates[0].name == "admin/escalations/triage_form.html"
+    page = form_page.content.decode()
+    assert 'name="note"' in page
+    assert 'name="result"' in page
+    assert str(first) in page
+    assert state_of(first.pk)["status"] == TaskStatus.ESCALATED
+
+    response = triager_client.post(
+        QUEUE_URL,
+        {**selection, "confirm": "yes", "note": "fixed by hand", "result": '{"rows": 12}'},
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) == ["Resolved 2 tasks."]
+    for task in (first, second):
+        assert state_of(task.pk)["status"] == TaskStatus.DONE
+        assert state_of(task.pk)["result"] == {"rows": 12}
+        event = last_event(task.pk)
+        assert (event.type, event.status, event.actor) == ("resolved", "done", "ops-alice")
+        assert event.payload == {"note": "fixed by hand", "result": {"rows": 12}}
+
+
+def test_resolve_without_a_result_stores_none(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    response = triager_client.post(
+        QUEUE_URL,
+        {
+            "action": "resolve",
+            "_selected_action": [task.pk],
+            "confirm": "yes",
+            "note": "not needed any more",
+            "result": "",
+        },
+    )
+
+    assert response.status_code == 302
+    assert state_of(task.pk)["status"] == TaskStatus.DONE
+    assert state_of(task.pk)["result"] is None
+    assert last_event(task.pk).payload == {"note": "not needed any more", "result": None}
+
+
+@pytest.mark.parametrize(
+    ("note", "result", "field"),
+    [
+        ("fixed", "{not json", "result"),
+        ("", '{"ok": true}', "note"),
+    ],
+    ids=["invalid-json", "no-note"],
+)
+def test_resolve_shows_the_form_again_with_the_error_and_changes_nothing(
+    triager_client: Client, escalated: Callable[..., Task], note: str, result: str, field: str
+) -> None:
+    task = escalated()
+    before, events_before = state_of(task.pk), history(task.pk)
+
+    response = triager_client.post(
+        QUEUE_URL,
+        {
+            "action": "resolve",
+            "_selected_action": [task.pk],
+            "confirm": "yes",
+            "note": note,
+            "result": result,
+        },
+    )
+
+    assert response.status_code == 200
+    assert list(response.context["form"].errors) == [field]
+    assert state_of(task.pk) == before
+    assert history(task.pk) == events_before
+
+
+def test_cancel_withdraws_the_tasks_with_a_cancelled_event_and_the_note(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    response = triager_client.post(
+        QUEUE_URL,
+        {
+            "action": "cancel",
+            "_selected_action": [task.pk],
+            "confirm": "yes",
+            "note": "the customer withdrew the order",
+        },
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) == ["Cancelled 1 task."]
+    assert state_of(task.pk)["status"] == TaskStatus.CANCELLED
+    event = last_event(task.pk)
+    assert (event.type, event.status, event.actor) == ("cancelled", "cancelled", "ops-alice")
+    assert event.payload == {
+        "note": "the customer withdrew the order",
+        "previous_status": "escalated",
+    }
+
+
+def test_cancel_without_a_note_records_none(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    triager_client.post(
+        QUEUE_URL,
+        {"action": "cancel", "_selected_action": [task.pk], "confirm": "yes", "note": ""},
+    )
+
+    assert last_event(task.pk).payload == {"previous_status": "escalated"}
+
+
+def test_the_confirmation_page_says_which_selected_tasks_will_be_skipped(
+    triager_client: Client, escalated: Callable[..., Task], staff: Any
+) -> None:
+    task, gone = escalated(), escalated()
+    transitions.cancel(task_id=gone.pk, actor=staff)
+
+    response = triager_client.post(
+        QUEUE_URL, {"action": "cancel", "index": 0, "_selected_action": [task.pk, gone.pk]}
+    )
+
+    assert response.status_code == 200
+    assert response.context["tasks"] == [task]
+    assert "1 of the selected tasks is no longer escalated" in response.content.decode()
+    # The confirmation carries the whole selection on, so the report counts the skip.
+    confirmed = triager_client.post(
+        QUEUE_URL,
+        {
+            "action": "cancel",
+            "_selected_action": [task.pk, gone.pk],
+            "confirm": "yes",
+            "note": "",
+        },
+    )
+    assert messages_of(confirmed) == ["Cancelled 1 task; skipped 1 that was no longer escalated."]
+
+
+# -- The task page ----------------------------------------------------------------------
+
+
+def test_the_task_page_shows_payload_last_error_and_event_history(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(
+        title="resize images",
+        description="all of them",
+        payload={"bucket": "in", "sizes": [64, 128]},
+        error="Traceback: <MemoryError>",
+    )
+
+    response = triager_client.get(change_url(task.pk))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "resize images" in page
+    assert "all of them" in page
+    # Pretty JSON, escaped, in a <pre> (jsonb keeps its own key order).
+    assert "<pre>{\n  &quot;sizes&quot;: [\n    64,\n    128\n  ],\n" in page
+    assert "\n  &quot;bucket&quot;: &quot;in&quot;\n}</pre>" in page
+    assert "Traceback: &lt;MemoryError&gt;" in page
+    assert "failed 1 of 1 times" in page
+    events = response.context["inline_admin_formsets"][0].formset.queryset
+    assert [(e.type, e.actor) for e in events] == [
+        ("created", "agent-smith"),
+        ("claimed", "agent-smith"),
+        ("failed", "agent-smith"),
+        ("escalated", "agent-smith"),
+    ]
+    assert "event history" in page.lower()
+    # A read-only page: no save buttons, but the triage buttons.
+    assert 'name="_save"' not in page
+    assert 'name="_continue"' not in page
+    assert button_url(task.pk, "requeue") in page
+    assert button_url(task.pk, "resolve") in page
+    assert button_url(task.pk, "cancel") in page
+
+
+def test_the_requeue_button_requeues_the_task_and_returns_to_the_queue(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(queue="billing")
+    filters = "_changelist_filters=queue%3Dbilling"
+
+    response = triager_client.post(f"{button_url(task.pk, 'requeue')}?{filters}")
+
+    assert response.status_code == 302
+    assert response["Location"] == f"{QUEUE_URL}?queue=billing"
+    assert messages_of(response) == [f"Requeued #{task.pk} {task.title}."]
+    assert state_of(task.pk)["status"] == TaskStatus.PENDING
+    assert history(task.pk)[-1] == ("requeued", "pending", "ops-alice")
+
+
+def test_the_requeue_button_does_nothing_on_a_get(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    response = triager_client.get(button_url(task.pk, "requeue"))
+
+    assert response.status_code == 405
+    assert state_of(task.pk)["status"] == TaskStatus.ESCALATED
+
+
+def test_the_resolve_button_asks_for_a_note_then_resolves_the_task(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    form_page = triager_client.get(button_url(task.pk, "resolve"))
+    assert form_page.status_code == 200
+    assert 'name="note"' in form_page.content.decode()
+
+    invalid = triager_client.post(
+        button_url(task.pk, "resolve"), {"note": "done", "result": "[1, 2"}
+    )
+    assert invalid.status_code == 200
+    assert "result" in invalid.context["form"].errors
+    assert state_of(task.pk)["status"] == TaskStatus.ESCALATED
+
+    response = triager_client.post(
+        button_url(task.pk, "resolve"), {"note": "done by hand", "result": "[1, 2]"}
+    )
+
+    assert response.status_code == 302
+    assert response["Location"] == QUEUE_URL
+    assert state_of(task.pk)["status"] == TaskStatus.DONE
+    assert state_of(task.pk)["result"] == [1, 2]
+    event = last_event(task.pk)
+    assert (event.type, event.actor, event.payload["note"]) == (
+        "resolved",
+        "ops-alice",
+        "done by hand",
+    )
+
+
+def test_the_cancel_button_cancels_the_task(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    response = triager_client.post(button_url(task.pk, "cancel"), {"note": "obsolete"})
+
+    assert response.status_code == 302
+    assert state_of(task.pk)["status"] == TaskStatus.CANCELLED
+    assert last_event(task.pk).payload == {"note": "obsolete", "previous_status": "escalated"}
+
+
+def test_a_button_on_a_task_that_left_the_queue_changes_nothing_and_says_so(
+    triager_client: Client, escalated: Callable[..., Task], staff: Any
+) -> None:
+    task = escalated()
+    transitions.requeue(task_id=task.pk, actor=staff)
+    before, events_before = state_of(task.pk), history(task.pk)
+
+    response = triager_client.post(button_url(task.pk, "cancel"), {"note": "too late"})
+
+    assert response.status_code == 302
+    assert messages_of(response) == [f"Task {task.pk} is no longer escalated."]
+    assert state_of(task.pk) == before
+    assert history(task.pk) == events_before
+
+
+# -- Nothing is ever edited -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("admin_name", ["escalations_escalatedtask", "board_task"])
+def test_posting_the_change_form_does_not_modify_the_task(
+    admin_client: Client, escalated: Callable[..., Task], admin_name: str
+) -> None:
+    task = escalated(title="original")
+    before = state_of(task.pk)
+
+    response = admin_client.post(
+        reverse(f"admin:{admin_name}_change", args=[task.pk]),
+        {"title": "edited", "status": "done", "failure_count": 0, "_save": "Save"},
+    )
+
+    assert response.status_code == 403
+    assert Task.objects.get(pk=task.pk).title == "original"
+    assert state_of(task.pk) == before
+
+
+@pytest.mark.parametrize(
+    "admin_name", ["escalations_escalatedtask", "board_task", "board_taskevent"]
+)
+def test_no_one_can_add_delete_or_bulk_delete_tasks_or_events(
+    admin_client: Client, escalated: Callable[..., Task], admin_name: str
+) -> None:
+    task = escalated()
+    object_id = last_event(task.pk).pk if admin_name == "board_taskevent" else task.pk
+    changelist = reverse(f"admin:{admin_name}_changelist")
+
+    assert admin_client.get(reverse(f"admin:{admin_name}_add")).status_code == 403
+    delete_url = reverse(f"admin:{admin_name}_delete", args=[object_id])
+    assert admin_client.post(delete_url, {"post": "yes"}).status_code == 403
+    page = admin_client.get(changelist)
+    assert page.status_code == 200
+    assert "delete_selected" not in page.content.decode()
+    admin_client.post(
+        changelist, {"action": "delete_selected", "_selected_action": [object_id], "post": "yes"}
+    )
+    assert Task.objects.filter(pk=task.pk).exists()
+    assert TaskEvent.objects.filter(task_id=task.pk).count() == 4
+
+
+# -- Who may do what --------------------------------------------------------------------
+
+
+def test_a_user_who_is_not_staff_is_sent_to_the_admin_login(
+    agent: Any, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+    client = logged_in(agent)
+
+    for response in (
+        client.get(QUEUE_URL),
+        client.get(change_url(task.pk)),
+        client.post(button_url(task.pk, "requeue")),
+        client.post(QUEUE_URL, {"action": "requeue", "index": 0, "_selected_action": [task.pk]}),
+    ):
+        assert response.status_code == 302
+        assert response["Location"].startswith(reverse("admin:login"))
+    assert state_of(task.pk)["status"] == TaskStatus.ESCALATED
+
+
+def test_staff_without_the_triage_permission_see_the_queue_but_not_the_actions(
+    watcher: Any, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(title="look but do not touch")
+    client = logged_in(watcher)
+
+    queue = client.get(QUEUE_URL)
+    task_page = client.get(change_url(task.pk))
+
+    assert queue.status_code == 200
+    assert "look but do not touch" in queue.content.decode()
+    assert queue.context["action_form"] is None
+    assert "Requeue selected" not in queue.content.decode()
+    assert task_page.status_code == 200
+    assert button_url(task.pk, "requeue") not in task_page.content.decode()
+    assert button_url(task.pk, "resolve") not in task_page.content.decode()
+
+
+def test_a_forged_action_or_button_from_staff_without_the_triage_permission_does_nothing(
+    watcher: Any, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+    before, events_before = state_of(task.pk), history(task.pk)
+    client = logged_in(watcher)
+
+    client.post(QUEUE_URL, {"action": "requeue", "index": 0, "_selected_action": [task.pk]})
+    client.post(
+        QUEUE_URL,
+        {"action": "cancel", "_selected_action": [task.pk], "confirm": "yes", "note": "x"},
+    )
+    for name in ("requeue", "resolve", "cancel"):
+        response = client.post(button_url(task.pk, name), {"note": "x"})
+        assert response.status_code == 403
+
+    assert state_of(task.pk) == before
+    assert history(task.pk) == events_before
+
+
+def test_staff_without_any_permission_cannot_see_the_queue(db: None) -> None:
+    client = logged_in(StaffFactory(username="ops-carol"))
+
+    assert client.get(QUEUE_URL).status_code == 403
+
+
+def test_a_superuser_may_triage(admin_client: Client, escalated: Callable[..., Task]) -> None:
+    task = escalated()
+
+    queue = admin_client.get(QUEUE_URL)
+    response = admin_client.post(button_url(task.pk, "requeue"))
+
+    assert [name for name, _ in queue.context["action_form"].fields["action"].choices] == [
+        "",
+        "requeue",
+        "resolve",
+        "cancel",
+    ]
+    assert response.status_code == 302
+    assert history(task.pk)[-1] == ("requeued", "pending", "admin")
+
+
+# -- The task and event lists -----------------------------------------------------------
+
+
+def test_the_task_list_shows_every_task_and_its_page_never_the_lease_token(
+    admin_client: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    make_task(title="waiting", queue="held-q")
+    [claim] = transitions.claim(actor=agent, queues=["held-q"])
+
+    listing = admin_client.get(reverse("admin:board_task_changelist"), {"status": "in_progress"})
+    page = admin_client.get(reverse("admin:board_task_change", args=[claim.task.pk]))
+
+    assert [task.pk for task in listing.context["cl"].result_list] == [claim.task.pk]
+    assert "agent-smith" in listing.content.decode()
+    assert page.status_code == 200
+    assert claim.lease_token not in page.content.decode()
+    assert 'name="_save"' not in page.content.decode()
+    events = page.context["inline_admin_formsets"][0].formset.queryset
+    assert [e.type for e in events] == ["created", "claimed"]
+
+
+def test_the_event_list_filters_by_type_and_searches_the_actor(
+    admin_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+    UserFactory(username="someone-else")
+
+    by_type = admin_client.get(reverse("admin:board_taskevent_changelist"), {"type": "failed"})
+    by_actor = admin_client.get(reverse("admin:board_taskevent_changelist"), {"q": "smith"})
+
+    assert [(e.task_id, e.type) for e in by_type.context["cl"].result_list] == [(task.pk, "failed")]
+    assert len(by_actor.context["cl"].result_list) == 4
+    event_page = admin_client.get(
+        reverse("admin:board_taskevent_change", args=[last_event(task.pk).pk])
+    )
+    assert event_page.status_code == 200
+    assert "failed 1 of 1 times" in event_page.content.decode()
+
+
+def test_the_admin_is_titled_taskboard(admin_client: Client) -> None:
+    page = admin_client.get(reverse("admin:index")).content.decode()
+
+    assert "Taskboard administration" in page
+    assert "<title>Taskboard | Taskboard admin</title>" in page
