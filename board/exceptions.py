@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from django.db import IntegrityError, InternalError
+from django.db import DataError, IntegrityError, InternalError
 
 
 class BoardError(Exception):
@@ -71,6 +71,9 @@ def translated_database_errors() -> Iterator[None]:
     """Turn the database's named refusals into the board's exceptions."""
     try:
         yield
+    except DataError as exc:
+        # A value the column cannot hold: text longer than its limit, a number out of range.
+        raise InvalidTask(str(exc.__cause__ or exc).strip()) from exc
     except (IntegrityError, InternalError) as exc:
         cause = exc.__cause__
         diag = getattr(cause, "diag", None)

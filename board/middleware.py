@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
@@ -73,3 +74,66 @@ class DatabaseUnavailableMiddleware:
             logger.warning("database unavailable: %s", exc)
             return database_unavailable()
         return None
+
+
+class RequestBodyLimit:
+    """ASGI middleware: refuse bodies over MAX_BODY_BYTES with 413, and give every body a
+    Content-Length.
+
+    Django under WSGI reads exactly Content-Length bytes, so a chunked body (which has no
+    length) would reach it empty. Such bodies are read here, up to the limit, and passed on
+    with the length they turned out to have; a declared length over the limit is refused
+    before anything is read.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        declared = [value for name, value in headers if name.lower() == b"content-length"]
+        if declared:
+            if declared[0].isdigit() and int(declared[0]) > conf.MAX_BODY_BYTES:
+                await _send_response(send, too_large())
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > conf.MAX_BODY_BYTES:
+                await _send_response(send, too_large())
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # type: ignore[no-any-return]
+
+        await self.app(scope, replay, send)
+
+
+async def _send_response(send: Any, response: HttpResponse) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": [(k.lower().encode(), v.encode()) for k, v in response.items()],
+        }
+    )
+    await send({"type": "http.response.body", "body": response.content})

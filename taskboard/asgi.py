@@ -9,6 +9,7 @@ own ASGI handler would run every request on a new thread, with a new connection.
   holds no worker thread and no database connection;
 - ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.waiting, which waits for
   work between claim attempts outside Django, for the same reason;
+- RequestBodyLimit refuses bodies over 1 MiB and gives chunked bodies a length;
 - the lifespan protocol stops the process's event relay on shutdown.
 """
 
@@ -30,9 +31,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
 django_application = WSGIMiddleware(get_wsgi_application(), workers=settings.TASKBOARD_THREADS)
 
 from board import stream, waiting  # noqa: E402  (needs Django set up)
+from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
 
-http_application = waiting.WaitingClaims(django_application)
+http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:

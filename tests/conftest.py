@@ -71,3 +71,43 @@ def api() -> Callable[[Any], APIClient]:
         return client
 
     return client_for
+
+
+# Fixtures for tests that need a PostgreSQL connection of their own, beside Django's: a
+# second session that holds a lock, or one that LISTENs for notifications.
+
+# Keys of DatabaseWrapper.get_connection_params() that are Django's, not libpq's.
+_DJANGO_ONLY_CONNECTION_PARAMS = {"cursor_factory", "context", "prepare_threshold"}
+
+
+@pytest.fixture
+def open_raw_connection() -> Iterator[Callable[..., Any]]:
+    """Return a function that opens a psycopg connection to the test database.
+
+    The parameters are read from Django's connection when the function is called, so they
+    name the test database (and, on the embedded engine, its unix socket). Every connection
+    opened is closed at teardown.
+    """
+    import psycopg  # only these tests need the driver itself
+
+    opened: list[psycopg.Connection[Any]] = []
+
+    def open_connection(*, autocommit: bool = False) -> psycopg.Connection[Any]:
+        params = {
+            key: value
+            for key, value in connection.get_connection_params().items()
+            if key not in _DJANGO_ONLY_CONNECTION_PARAMS
+        }
+        raw = psycopg.connect(**params, autocommit=autocommit)
+        opened.append(raw)
+        return raw
+
+    yield open_connection
+    for raw in opened:
+        raw.close()
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings: Any) -> None:
+    """Hash the factories' passwords with a cheap hasher (PBKDF2 costs ~0.5 s a user)."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -43,7 +43,9 @@ def wait_until_healthy(url: str, server: subprocess.Popen[str], timeout: float =
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"the server exited: {server.stdout.read() if server.stdout else ''}")
+            raise AssertionError(
+                f"the server exited: {server.stdout.read() if server.stdout else ''}"
+            )
         try:
             if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                 return

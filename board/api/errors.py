@@ -7,7 +7,8 @@ import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
@@ -30,29 +31,31 @@ _CODES = {
 }
 
 
-def _flatten(detail: Any) -> Any:
-    """Turn DRF's ErrorDetail trees into plain strings, lists and dicts."""
+def _messages(detail: Any, where: str = "") -> list[str]:
+    """Flatten one field's DRF error tree into sentences; nested places are prefixed
+    (``[1]: Must be a string.`` for the second item of a list)."""
     if isinstance(detail, dict):
-        return {str(key): _flatten(value) for key, value in detail.items()}
+        return [
+            message
+            for key, value in detail.items()
+            for message in _messages(value, f"{where}[{key}]")
+        ]
     if isinstance(detail, list):
-        return [_flatten(item) for item in detail]
-    return str(detail)
+        return [message for item in detail for message in _messages(item, where)]
+    return [f"{where}: {detail}" if where else str(detail)]
 
 
-def _fields(detail: Any) -> dict[str, list[Any]]:
+def _fields(detail: Any) -> dict[str, list[str]]:
+    """Return the contract's ``fields``: each refused field with a list of sentences."""
     if isinstance(detail, dict):
-        return {
-            key: value if isinstance(value, list) else [value]
-            for key, value in _flatten(detail).items()
-        }
-    return {"non_field_errors": _flatten(detail if isinstance(detail, list) else [detail])}
+        return {str(key): _messages(value) for key, value in detail.items()}
+    return {"non_field_errors": _messages(detail)}
 
 
-def _summary(fields: dict[str, list[Any]]) -> str:
+def _summary(fields: dict[str, list[str]]) -> str:
     parts = []
     for name, messages in fields.items():
-        first = messages[0] if messages else "invalid"
-        text = first if isinstance(first, str) else "invalid"
+        text = messages[0] if messages else "invalid"
         parts.append(text if name == "non_field_errors" else f"{name}: {text}")
     return "Invalid request: " + "; ".join(parts) if parts else "Invalid request."
 
@@ -104,9 +107,15 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     return Response(body, status=exc.status_code, headers=headers)
 
 
-def not_found(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
-    """handler404: a JSON 404 for any URL nothing serves."""
-    return error_response(404, "not_found", f"Nothing is served at {request.path}.")
+# Paths whose clients read JSON: a 404 there is the contract's error body.
+_JSON_PATHS = ("/api/", "/healthz")
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """handler404: the JSON error under /api/ and /healthz, an HTML page everywhere else."""
+    if request.path.startswith(_JSON_PATHS):
+        return error_response(404, "not_found", f"Nothing is served at {request.path}.")
+    return render(request, "404.html", {"request_path": request.path}, status=404)
 
 
 def server_error(request: HttpRequest) -> JsonResponse:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.openapi import AutoSchema
+
 STREAM_PATH = {
     "get": {
         "operationId": "stream",
@@ -50,3 +52,11 @@ def add_stream_endpoint(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]
     """drf-spectacular postprocessing hook: document GET /api/v1/stream/."""
     result.setdefault("paths", {})["/api/v1/stream/"] = STREAM_PATH
     return result
+
+
+class BoardAutoSchema(AutoSchema):  # type: ignore[misc]
+    """drf-spectacular's AutoSchema, told that list endpoints answer a page object
+    (``{"results": [...], "next": ...}``), never a bare array."""
+
+    def _is_list_view(self, serializer: Any = None) -> bool:
+        return False

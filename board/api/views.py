@@ -77,6 +77,7 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
 
 @extend_schema_view(
     list=extend_schema(
+        operation_id="tasks_list",
         summary="List tasks, newest first",
         parameters=[s.TaskFilterSerializer, s.TaskListPageSerializer],
         responses={200: s.TaskPageSerializer, **ERRORS_400},
@@ -294,6 +295,7 @@ class EventViewSet(BoardViewSet):
     serializer_class = s.EventSerializer
 
     @extend_schema(
+        operation_id="events_list",
         summary="The event log, by ascending id",
         parameters=[s.EventFilterSerializer],
         responses={200: s.EventPageSerializer, **ERRORS_400},

@@ -33,7 +33,8 @@ SELECT * FROM task;
 --
 -- Two locking scans, each on its own partial index, each FOR UPDATE SKIP LOCKED so that
 -- concurrent claims pass over each other's rows instead of waiting for them:
---   * expired: in-progress tasks whose lease ran out (tasks_in_progress_lease_idx);
+--   * expired: in-progress tasks whose lease ran out (tasks_in_progress_lease_idx),
+--     in claim order;
 --   * pending: pending tasks that are due, in claim order (tasks_pending_claim_idx or,
 --     for a queue filter, tasks_pending_queue_claim_idx).
 -- The locking scans return the columns the rest of the statement needs: they see the row
@@ -49,7 +50,9 @@ WITH expired AS (
     WHERE status = 'in_progress'
       AND leased_until <= now()
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
-    ORDER BY leased_until
+    -- In claim order, so a higher-priority expired task is never passed over; expired
+    -- leases are few, and the index range scan finds them all before this sort.
+    ORDER BY priority DESC, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), pending AS (
@@ -146,9 +149,10 @@ WITH task AS (
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
     SELECT id, 'heartbeat', status, %(actor)s,
-           jsonb_strip_nulls(jsonb_build_object(
-               'lease_until', leased_until, 'progress', %(progress)s::jsonb
-           )),
+           -- progress is the agent's JSON, kept as given (nulls inside it included).
+           jsonb_build_object('lease_until', leased_until)
+               || CASE WHEN %(progress)s::jsonb IS NULL THEN '{}'::jsonb
+                       ELSE jsonb_build_object('progress', %(progress)s::jsonb) END,
            now()
     FROM task
 )

@@ -18,6 +18,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         User = get_user_model()
         field = User._meta.get_field(User.USERNAME_FIELD)
+        if not name.strip():
+            raise CommandError("The agent's name must not be empty.")
         try:
             field.run_validators(name)
         except Exception as exc:
