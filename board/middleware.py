@@ -123,7 +123,7 @@ class RequestBodyLimit:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
+            return await receive()
 
         await self.app(scope, replay, send)
 

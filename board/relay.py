@@ -141,7 +141,7 @@ def django_conninfo() -> str:
         for key, value in params.items()
         if key in keywords and isinstance(value, str | int) and value != ""
     }
-    return psycopg.conninfo.make_conninfo(**kept, application_name="taskboard-relay")
+    return psycopg.conninfo.make_conninfo("", **kept, application_name="taskboard-relay")
 
 
 class Relay:

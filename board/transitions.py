@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import AnonymousUser
 from django.db import connection, transaction
 from django.db.models import JSONField
 from psycopg.types.json import Jsonb
@@ -40,9 +41,9 @@ from board.exceptions import (
 from board.models import Task, TaskStatus
 from board.sql import QUERIES
 
-Actor = AbstractBaseUser | str
+Actor = AbstractBaseUser | AnonymousUser | str
 
-_FIELDS = {f.column: f for f in Task._meta.concrete_fields}
+_FIELDS = {str(f.column): f for f in Task._meta.concrete_fields}
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,11 @@ class Claim:
 
 
 def _username(actor: Actor) -> str:
-    return actor if isinstance(actor, str) else actor.get_username()
+    if isinstance(actor, str):
+        return actor
+    if not actor.is_authenticated:
+        raise ValueError("Transitions need an authenticated actor.")
+    return str(actor.get_username())
 
 
 def _json(value: Any) -> Jsonb | None:
@@ -76,7 +81,7 @@ def _task(row: dict[str, Any]) -> Task:
         value = row[column]
         # Django leaves jsonb as text for the field to decode, as its query compiler would.
         if isinstance(field, JSONField):
-            value = field.from_db_value(value, None, connection)
+            value = field.from_db_value(value, None, connection)  # type: ignore[arg-type]
         names.append(field.attname)
         values.append(value)
     return Task.from_db(connection.alias, names, values)

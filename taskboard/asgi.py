@@ -28,13 +28,16 @@ from django.db import connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
 
-django_application = WSGIMiddleware(get_wsgi_application(), workers=settings.TASKBOARD_THREADS)
+django_application = WSGIMiddleware(
+    get_wsgi_application(),  # type: ignore[arg-type]
+    workers=settings.TASKBOARD_THREADS,
+)
 
 from board import stream, waiting  # noqa: E402  (needs Django set up)
 from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
 
-http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))
+http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  # type: ignore[arg-type]
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:

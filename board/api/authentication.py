@@ -32,7 +32,7 @@ class BearerTokenAuthentication(TokenAuthentication):
         return 'Bearer realm="taskboard"'
 
 
-class BearerTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+class BearerTokenScheme(OpenApiAuthenticationExtension):
     """Describe BearerTokenAuthentication in the OpenAPI document as HTTP bearer auth."""
 
     target_class = "board.api.authentication.BearerTokenAuthentication"

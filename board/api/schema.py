@@ -54,7 +54,7 @@ def add_stream_endpoint(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]
     return result
 
 
-class BoardAutoSchema(AutoSchema):  # type: ignore[misc]
+class BoardAutoSchema(AutoSchema):
     """drf-spectacular's AutoSchema, told that list endpoints answer a page object
     (``{"results": [...], "next": ...}``), never a bare array."""
 

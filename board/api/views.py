@@ -137,7 +137,7 @@ class TaskViewSet(BoardViewSet):
         )
         tasks = []
         for claim in claims:
-            claim.task.lease_token = claim.lease_token  # type: ignore[assignment]
+            claim.task.lease_token = claim.lease_token
             tasks.append(claim.task)
         response = Response({"tasks": s.ClaimedTaskSerializer(tasks, many=True).data})
         if not tasks and data["wait"] > 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from rest_framework.authtoken.models import Token
 
@@ -17,14 +18,13 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         User = get_user_model()
-        field = User._meta.get_field(User.USERNAME_FIELD)
         if not name.strip():
             raise CommandError("The agent's name must not be empty.")
         try:
-            field.run_validators(name)
-        except Exception as exc:
+            User._meta.get_field(User.USERNAME_FIELD).clean(name, None)  # type: ignore[union-attr]
+        except ValidationError as exc:
             raise CommandError(f"{name!r} is not a valid username: {exc}") from exc
-        user, created = User.objects.get_or_create(**{User.USERNAME_FIELD: name})
+        user, created = User.objects.get_or_create(defaults=None, **{User.USERNAME_FIELD: name})
         if created:
             user.set_unusable_password()
             user.save(update_fields=["password"])
