@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import json
 import logging
 from collections import deque
@@ -72,8 +73,16 @@ class StreamEvent:
     sse: bytes = field(repr=False)
 
 
-def _stream_event(row: dict[str, Any]) -> StreamEvent:
+@functools.cache
+def _event_serializer() -> Any:
+    """Return one EventSerializer for every event: a ModelSerializer builds its fields anew
+    for each instance, which cost ten times the rest of preparing an event for the streams."""
     from board.api.serializers import EventSerializer
+
+    return EventSerializer()
+
+
+def _stream_event(row: dict[str, Any]) -> StreamEvent:
     from board.models import TaskEvent
 
     event = TaskEvent(
@@ -85,7 +94,7 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         payload=row["payload"],
         created_at=row["created_at"],
     )
-    data = dict(EventSerializer(event).data)
+    data = dict(_event_serializer().to_representation(event))
     text = json.dumps(data, separators=(",", ":"))
     return StreamEvent(
         cursor=Cursor(int(row["txid"]), row["id"]),
@@ -213,7 +222,10 @@ class Relay:
             await conn.execute(f"LISTEN {CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
-                cur = await conn.execute(QUERIES["stream_head"])
+                cur = await conn.execute(QUERIES["stream_horizon"])
+                horizon = await cur.fetchone()
+                assert horizon is not None
+                cur = await conn.execute(QUERIES["stream_head"], {"horizon": horizon["horizon"]})
                 row = await cur.fetchone()
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
@@ -232,6 +244,10 @@ class Relay:
     async def _catch_up(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Read and deliver everything after the head; return whether events are held back."""
         assert self.head is not None
+        # The horizon is computed in its own statement, before the read: see stream.sql.
+        cur = await conn.execute(QUERIES["stream_horizon"])
+        horizon = await cur.fetchone()
+        assert horizon is not None
         while True:
             cur = await conn.execute(
                 QUERIES["stream_after"],
@@ -240,6 +256,7 @@ class Relay:
                     "id": self.head.id,
                     "upto_txid": MAX_CURSOR_TXID,
                     "upto_id": MAX_CURSOR_ID,
+                    "horizon": horizon["horizon"],
                     "limit": self.batch,
                 },
             )
@@ -248,8 +265,11 @@ class Relay:
                 self._deliver([_stream_event(row) for row in rows])
             if len(rows) < self.batch:
                 break
+        if not horizon["in_flight"]:
+            return False
         cur = await conn.execute(
-            QUERIES["stream_held_back"], {"txid": str(self.head.txid), "id": self.head.id}
+            QUERIES["stream_held_back"],
+            {"txid": str(self.head.txid), "id": self.head.id, "horizon": horizon["horizon"]},
         )
         row = await cur.fetchone()
         return bool(row and row["held_back"])
@@ -318,6 +338,8 @@ class Relay:
                     "id": after.id,
                     "upto_txid": str(upto.txid),
                     "upto_id": upto.id,
+                    # Everything up to the relay's head has been read as safe already.
+                    "horizon": MAX_CURSOR_TXID,
                     "limit": self.batch,
                 },
             )
@@ -325,7 +347,13 @@ class Relay:
         return [_stream_event(row) for row in rows]
 
     async def cursor_of(self, event_id: int) -> Cursor | None:
-        """Return the cursor of the event ``event_id``, or None if there is no such event."""
+        """Return the cursor of the event ``event_id``, or None if there is no such event.
+
+        Id 0 names the start of the log: a client that has seen nothing yet (a page drawn
+        from an empty log) is replayed everything.
+        """
+        if event_id == 0:
+            return START
         for event in reversed(self.buffer):
             if event.cursor.id == event_id:
                 return event.cursor

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -235,3 +236,34 @@ def test_a_lagging_subscriber_catches_up_without_gaps(agent: Any) -> None:
         run(relay.stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_resuming_from_id_zero_replays_the_whole_log(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    """A page drawn from an empty log resumes from 0: nothing made since may be lost."""
+    made = [transitions.create(actor=agent, title=f"early {n}").id for n in range(2)]
+
+    with StreamCollector(stream_url(server), watcher, lastEventId="0") as stream:
+        replayed = stream.take(2)
+
+    assert [event["json"]["task_id"] for event in replayed] == made
+
+
+def test_a_transaction_in_another_database_does_not_hold_the_stream_back(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    """Only this database's transactions can add events: a long write transaction in
+    another database on the same server must not delay delivery."""
+    params = psycopg.conninfo.conninfo_to_dict(relay_module.django_conninfo())
+    with psycopg.connect(**{**params, "dbname": "postgres"}) as elsewhere:
+        elsewhere.execute("SELECT pg_current_xact_id()")  # takes a transaction id, stays open
+        with StreamCollector(stream_url(server), watcher) as stream:
+            started = time.monotonic()
+            task = transitions.create(actor=agent, title="not held back")
+            event = stream.get(timeout=5)
+            elapsed = time.monotonic() - started
+        elsewhere.rollback()
+
+    assert event["json"]["task_id"] == task.id
+    assert elapsed < 1.0

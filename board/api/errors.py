@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -118,14 +118,25 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
     return render(request, "404.html", {"request_path": request.path}, status=404)
 
 
-def server_error(request: HttpRequest) -> JsonResponse:
-    """handler500: a JSON 500 instead of Django's HTML page."""
-    return error_response(500, "server_error", "The server failed to handle this request.")
+def server_error(request: HttpRequest) -> HttpResponse:
+    """handler500: the JSON error under /api/ and /healthz, a plain HTML page elsewhere."""
+    if request.path.startswith(_JSON_PATHS):
+        return error_response(500, "server_error", "The server failed to handle this request.")
+    # No template rendering here: whatever failed may fail again while rendering.
+    return HttpResponse(
+        "<!doctype html><title>Server error · Taskboard</title>"
+        "<h1>Something went wrong</h1><p>The server failed to handle this request.</p>",
+        status=500,
+    )
 
 
-def bad_request(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
-    return error_response(400, "invalid", "The request could not be understood.", fields={})
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if request.path.startswith(_JSON_PATHS):
+        return error_response(400, "invalid", "The request could not be understood.", fields={})
+    return HttpResponse("<!doctype html><h1>Bad request</h1>", status=400)
 
 
-def permission_denied(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
-    return error_response(403, "permission_denied", "You may not do this.")
+def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if request.path.startswith(_JSON_PATHS):
+        return error_response(403, "permission_denied", "You may not do this.")
+    return render(request, "403.html", status=403)

@@ -1,28 +1,66 @@
 -- Reading the event log in commit-safe order, for the relay and the SSE stream (board.relay).
 --
 -- A cursor is (txid, id): the inserting transaction's id, then the event id. Readers only
--- see events whose transaction is older than every transaction still running
--- (txid < pg_snapshot_xmin(pg_current_snapshot())). Any event not yet visible belongs to
--- a running or future transaction, whose txid is at least that horizon, so it sorts after
--- everything read so far: a cursor never skips a late commit and never repeats an event.
+-- take events whose transaction is older than a horizon that every transaction still able
+-- to add events is at or past. Any event not yet visible belongs to such a transaction,
+-- so it sorts after everything read so far: a cursor never skips a late commit and never
+-- repeats an event. The simplest horizon is pg_snapshot_xmin(pg_current_snapshot()); the
+-- relay computes a closer one (stream_horizon) so that transactions in other databases
+-- of the same server do not hold it back.
 
 -- name: stream_head
--- The cursor of the last event in the stable prefix of the log (none when it is empty).
+-- The cursor of the last event below the horizon (none when there is none).
 SELECT txid::text AS txid, id
 FROM task_events
-WHERE txid < pg_snapshot_xmin(pg_current_snapshot())
+WHERE txid < %(horizon)s::xid8
 ORDER BY txid DESC, id DESC
 LIMIT 1;
 
+-- name: stream_horizon
+-- The horizon for the next read, and whether any transaction of this database is running.
+--
+-- Only transactions of this database can add events, so the horizon is the oldest of them
+-- still running in this statement's snapshot, or the snapshot's xmax when there is none.
+-- The sessions are read after the snapshot was taken: a transaction that ended in between
+-- is missing from them but its events are visible to the next statement's (later)
+-- snapshot, which is the one that reads the events. Sessions of other roles hide their
+-- backend_xid from a role without pg_read_all_stats: with any such session present, fall
+-- back to the cluster-wide xmin. backend_xid is a 32-bit xid: compare its low bits.
+WITH snap AS MATERIALIZED (
+    SELECT pg_current_snapshot() AS s
+), sessions AS MATERIALIZED (
+    SELECT backend_xid, state, backend_type
+    FROM pg_stat_activity
+    WHERE datname = current_database() AND pid <> pg_backend_pid()
+), writers AS (
+    SELECT backend_xid::text::bigint AS xid FROM sessions WHERE backend_xid IS NOT NULL
+    UNION ALL
+    SELECT transaction::text::bigint FROM pg_prepared_xacts
+    WHERE database = current_database()
+), hidden AS (
+    SELECT EXISTS (
+        SELECT 1 FROM sessions WHERE state IS NULL AND backend_type = 'client backend'
+    ) AS present
+), running AS (
+    SELECT min(x) AS oldest
+    FROM snap, pg_snapshot_xip(snap.s) AS x
+    WHERE mod(x::text::bigint, 4294967296) IN (SELECT xid FROM writers)
+)
+SELECT (CASE WHEN hidden.present THEN pg_snapshot_xmin(snap.s)
+             ELSE COALESCE(running.oldest, pg_snapshot_xmax(snap.s)) END)::text AS horizon,
+       running.oldest IS NOT NULL OR hidden.present AS in_flight
+FROM snap, running, hidden;
+
 -- name: stream_after
--- Up to %(limit)s events after the cursor and up to the upper cursor, in stream order.
+-- Up to %(limit)s events after the cursor, up to the upper cursor, below the horizon, in
+-- stream order.
 SELECT e.id, e.task_id, e.type, e.status, e.actor, e.payload, e.created_at,
        e.txid::text AS txid, t.queue, t.run_after, t.leased_until
 FROM task_events e
 JOIN tasks t ON t.id = e.task_id
 WHERE (e.txid, e.id) > (%(txid)s::xid8, %(id)s)
   AND (e.txid, e.id) <= (%(upto_txid)s::xid8, %(upto_id)s)
-  AND e.txid < pg_snapshot_xmin(pg_current_snapshot())
+  AND e.txid < %(horizon)s::xid8
 ORDER BY e.txid, e.id
 LIMIT %(limit)s;
 
@@ -31,7 +69,7 @@ LIMIT %(limit)s;
 SELECT EXISTS (
     SELECT 1 FROM task_events
     WHERE (txid, id) > (%(txid)s::xid8, %(id)s)
-      AND txid >= pg_snapshot_xmin(pg_current_snapshot())
+      AND txid >= %(horizon)s::xid8
 ) AS held_back;
 
 -- name: stream_cursor_of

@@ -1,0 +1,850 @@
+/* Taskboard in the browser: the live board ("/") and a task's page ("/tasks/<id>/").
+ *
+ * The server draws each page from one database snapshot and embeds, as JSON (#board-state),
+ * the tasks it drew, the id to resume the event stream from, and the ids of the events the
+ * stream will deliver although the page already shows them. This script opens the stream
+ * (EventSource on /api/v1/stream/?lastEventId=<resume id>) and applies every other event,
+ * in order, exactly once: no reload and no polling.
+ *
+ * Every change goes through the REST API with the session cookie and the CSRF token. A
+ * person's claim keeps its lease_token in sessionStorage (one tab holds one lease); the
+ * open page heartbeats at a third of the lease and says so when the lease is lost.
+ *
+ * User text only ever reaches the page through textContent (the h() helper below).
+ */
+(() => {
+  "use strict";
+
+  const stateElement = document.getElementById("board-state");
+  if (!stateElement) return;
+  const STATE = JSON.parse(stateElement.textContent);
+  const ME = STATE.user;
+  // The server's clock minus ours, so countdowns agree with the server's lease deadlines.
+  const skew = Date.parse(STATE.now) - Date.now();
+  const serverNow = () => Date.now() + skew;
+
+  // -- DOM -------------------------------------------------------------------------------
+
+  /** Build an element; strings become text nodes, never markup. */
+  function h(tag, props = {}, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(props)) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === "class") node.className = value;
+      else if (key === "dataset") Object.assign(node.dataset, value);
+      else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+      else node.setAttribute(key, value === true ? "" : String(value));
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined || child === false) continue;
+      node.append(child instanceof Node ? child : String(child));
+    }
+    return node;
+  }
+
+  const label = (status) => String(status).replace(/_/g, " ");
+
+  function truncate(text, length) {
+    return text.length > length ? `${text.slice(0, length - 1)}…` : text;
+  }
+
+  function sortedKeys(value) {
+    if (Array.isArray(value)) return value.map(sortedKeys);
+    if (value && typeof value === "object") {
+      return Object.fromEntries(
+        Object.keys(value).sort().map((key) => [key, sortedKeys(value[key])]),
+      );
+    }
+    return value;
+  }
+
+  const prettyJSON = (value) => JSON.stringify(sortedKeys(value), null, 2);
+
+  // -- Time ------------------------------------------------------------------------------
+
+  function countdown(ms) {
+    const total = Math.ceil(ms / 1000);
+    const hours = Math.floor(total / 3600);
+    const minutes = Math.floor((total % 3600) / 60);
+    const seconds = total % 60;
+    if (hours) return `${hours}h ${String(minutes).padStart(2, "0")}m left`;
+    return `${minutes}:${String(seconds).padStart(2, "0")} left`;
+  }
+
+  function relative(iso) {
+    const seconds = (serverNow() - Date.parse(iso)) / 1000;
+    if (seconds < 45) return "just now";
+    if (seconds < 90) return "1 min ago";
+    if (seconds < 3600) return `${Math.round(seconds / 60)} min ago`;
+    if (seconds < 86400) return `${Math.round(seconds / 3600)} h ago`;
+    return new Date(iso).toLocaleDateString(undefined, { month: "short", day: "numeric" });
+  }
+
+  const absolute = (iso) =>
+    new Date(iso).toLocaleString(undefined, {
+      month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", second: "2-digit",
+    });
+
+  /** A <time> for ``iso``; refreshTimes() words it for where it is placed. */
+  function timeElement(iso) {
+    return h("time", { datetime: iso, title: absolute(iso) }, relative(iso));
+  }
+
+  // A time as the database's JSON writes it: 2026-03-01T12:00:00.123456+00:00.
+  const TIMESTAMP = /^\d{4}-\d\d-\d\dT\d\d:\d\d(:\d\d(\.\d+)?)?(Z|[+-]\d\d:\d\d)$/;
+
+  /** Rewrite every <time> in the reader's time zone: "3 min ago" on cards and in the
+   * timeline's headings, the date and time elsewhere. */
+  function refreshTimes(root = document) {
+    for (const node of root.querySelectorAll("time[datetime]")) {
+      const iso = node.getAttribute("datetime");
+      if (!iso || Number.isNaN(Date.parse(iso))) continue;
+      node.title = absolute(iso);
+      node.textContent = node.closest(".card-meta, .event-head") ? relative(iso) : absolute(iso);
+    }
+  }
+
+  /** Update lease countdowns; a lease past its deadline shows "stalled". */
+  function refreshLeases(root = document) {
+    for (const node of root.querySelectorAll(".lease[data-until]")) {
+      const until = Date.parse(node.dataset.until);
+      if (Number.isNaN(until)) continue;
+      const left = until - serverNow();
+      const stalled = left <= 0;
+      node.textContent = stalled ? "stalled" : countdown(left);
+      node.classList.toggle("is-stalled", stalled);
+      node.closest(".card, .holder-panel")?.classList.toggle("stalled", stalled);
+      const badge = document.querySelector('[data-field="stalled"]');
+      if (badge && node.closest(".holder-panel")) badge.hidden = !stalled;
+    }
+  }
+
+  // -- Notices ---------------------------------------------------------------------------
+
+  const notices = document.getElementById("notices");
+
+  function notify(text, { kind = "info", sticky = false } = {}) {
+    const close = h("button", { type: "button", "aria-label": "Dismiss" }, "✕");
+    const notice = h("div", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" },
+      h("span", {}, text), close);
+    close.addEventListener("click", () => notice.remove());
+    notices?.append(notice);
+    if (!sticky) setTimeout(() => notice.remove(), 6000);
+    return notice;
+  }
+
+  // -- The REST API ----------------------------------------------------------------------
+
+  function csrfToken() {
+    const match = document.cookie.match(/(?:^|;\s*)csrftoken=([^;]+)/);
+    return match ? decodeURIComponent(match[1]) : "";
+  }
+
+  /** Call /api/v1/<path>; resolve to {ok, status, data} (data: the JSON body or null). */
+  async function api(method, path, body) {
+    const headers = { Accept: "application/json" };
+    const options = { method, headers, credentials: "same-origin" };
+    if (body !== undefined) {
+      headers["Content-Type"] = "application/json";
+      options.body = JSON.stringify(body);
+    }
+    if (method !== "GET") headers["X-CSRFToken"] = csrfToken();
+    let response;
+    try {
+      response = await fetch(`/api/v1/${path}`, options);
+    } catch {
+      return { ok: false, status: 0, data: { detail: "The server could not be reached." } };
+    }
+    let data = null;
+    try {
+      data = await response.json();
+    } catch {
+      data = null;
+    }
+    return { ok: response.ok, status: response.status, data };
+  }
+
+  function errorText(result, fallback) {
+    const data = result.data || {};
+    if (data.fields) {
+      return Object.entries(data.fields)
+        .map(([field, messages]) => `${field}: ${[].concat(messages).join(" ")}`)
+        .join("; ");
+    }
+    return data.detail || fallback;
+  }
+
+  async function fetchTask(id) {
+    const result = await api("GET", `tasks/${id}/`);
+    return result.ok ? result.data : null;
+  }
+
+  // -- Leases held by this tab -----------------------------------------------------------
+
+  /** A person's leases: the token per task in sessionStorage, a heartbeat timer each. */
+  const Leases = {
+    prefix: "taskboard.lease.",
+    timers: new Map(),
+    lost: new Set(), // tasks whose lease this tab lost
+    settling: new Set(), // tasks this tab just completed, failed or released
+    onChange: () => {},
+
+    get(id) {
+      try {
+        return JSON.parse(sessionStorage.getItem(this.prefix + id));
+      } catch {
+        return null;
+      }
+    },
+
+    ids() {
+      const ids = [];
+      for (let i = 0; i < sessionStorage.length; i++) {
+        const key = sessionStorage.key(i);
+        if (key && key.startsWith(this.prefix)) ids.push(Number(key.slice(this.prefix.length)));
+      }
+      return ids;
+    },
+
+    hold(id, token, seconds) {
+      sessionStorage.setItem(this.prefix + id, JSON.stringify({ token, seconds }));
+      this.lost.delete(id);
+      this.settling.delete(id);
+      this.keepAlive(id);
+      this.onChange(id);
+    },
+
+    forget(id) {
+      sessionStorage.removeItem(this.prefix + id);
+      clearInterval(this.timers.get(id));
+      this.timers.delete(id);
+    },
+
+    /** Heartbeat every third of the lease (and at once when ``now``). */
+    keepAlive(id, now = false) {
+      const lease = this.get(id);
+      if (!lease || this.timers.has(id)) return;
+      const every = Math.max(1000, (lease.seconds * 1000) / 3);
+      this.timers.set(id, setInterval(() => this.beat(id), every));
+      if (now) this.beat(id);
+    },
+
+    async beat(id) {
+      const lease = this.get(id);
+      if (!lease) return this.forget(id);
+      const result = await api("POST", `tasks/${id}/heartbeat/`, { lease_token: lease.token });
+      if (result.status === 409 || result.status === 404) {
+        this.lose(id, errorText(result, "The lease is gone."));
+      }
+      // Other failures (network, 503): keep trying; a lease that runs out meanwhile
+      // answers 409 on the next beat.
+    },
+
+    lose(id, detail) {
+      if (!this.get(id)) return;
+      this.forget(id);
+      this.lost.add(id);
+      notify(`You lost the lease on #${id}: stop working on it. ${detail}`, {
+        kind: "error", sticky: true,
+      });
+      this.onChange(id);
+    },
+
+    /** Check a task's event against this tab's lease: a new holder or an expiry means a
+     * beat now, which the server answers with 409 if the lease is really gone. */
+    check(task, event) {
+      if (!this.get(task.id)) return;
+      if (task.status === "in_progress" && task.leased_by === ME) return;
+      if (event.actor === ME && event.type !== "claimed") this.forget(task.id);
+      else this.beat(task.id);
+    },
+  };
+
+  const PAST = { complete: "Completed", fail: "Failed", release: "Released" };
+
+  /** Complete, fail or release a task this tab holds. */
+  async function act(id, verb, body, box) {
+    const lease = Leases.get(id);
+    if (!lease) {
+      Leases.lost.add(id);
+      Leases.onChange(id);
+      return;
+    }
+    for (const control of box.querySelectorAll("button, input, textarea")) control.disabled = true;
+    const result = await api("POST", `tasks/${id}/${verb}/`, { lease_token: lease.token, ...body });
+    if (result.ok) {
+      Leases.forget(id);
+      Leases.settling.add(id);
+      notify(`${PAST[verb]} #${id}.`);
+      Leases.onChange(id);
+    } else if (result.status === 409) {
+      Leases.lose(id, errorText(result, "The lease is gone."));
+    } else {
+      for (const control of box.querySelectorAll("button, input, textarea")) control.disabled = false;
+      notify(errorText(result, `Could not ${verb} #${id}.`), { kind: "error" });
+    }
+  }
+
+  /** The buttons of a task this tab holds: complete, fail (with an error text), release. */
+  function holderActions(id, { withResult = false } = {}) {
+    const box = h("div", { class: "card-actions", dataset: { actionsFor: id } });
+
+    function replaceForm(form) {
+      box.querySelector("form")?.remove();
+      box.append(form);
+      form.querySelector("input, textarea")?.focus();
+    }
+
+    function showFail() {
+      const input = h("input", {
+        class: "inline-input", name: "error", placeholder: "What went wrong?",
+        maxlength: 10000, "aria-label": "Error",
+      });
+      const form = h("form", { class: "fail-form" },
+        input,
+        h("button", { type: "submit", class: "button small danger" }, "Fail task"),
+        h("button", { type: "button", class: "button small", onclick: () => form.remove() }, "Cancel"));
+      form.addEventListener("submit", (submit) => {
+        submit.preventDefault();
+        const error = input.value.trim();
+        if (!error) return input.focus();
+        act(id, "fail", { error }, box);
+      });
+      replaceForm(form);
+    }
+
+    function showComplete() {
+      const text = h("textarea", {
+        class: "mono", name: "result", rows: 3, spellcheck: "false", placeholder: "{\"ok\": true}",
+      });
+      const problem = h("p", { class: "form-error", hidden: true });
+      const form = h("form", { class: "result-form" },
+        h("label", { class: "field" }, h("span", {}, "Result (JSON, optional)"), text),
+        problem,
+        h("div", { class: "card-actions" },
+          h("button", { type: "submit", class: "button small primary" }, "Complete task"),
+          h("button", { type: "button", class: "button small", onclick: () => form.remove() }, "Cancel")));
+      form.addEventListener("submit", (submit) => {
+        submit.preventDefault();
+        let value = null;
+        if (text.value.trim()) {
+          try {
+            value = JSON.parse(text.value);
+          } catch {
+            problem.textContent = "The result is not valid JSON.";
+            problem.hidden = false;
+            return;
+          }
+        }
+        act(id, "complete", { result: value }, box);
+      });
+      replaceForm(form);
+    }
+
+    box.append(
+      h("button", {
+        type: "button", class: "button small primary",
+        onclick: () => (withResult ? showComplete() : act(id, "complete", {}, box)),
+      }, withResult ? "Complete…" : "Complete"),
+      h("button", { type: "button", class: "button small danger", onclick: showFail }, "Fail…"),
+      h("button", { type: "button", class: "button small", onclick: () => act(id, "release", {}, box) }, "Release"),
+    );
+    return box;
+  }
+
+  /** What a card or the task page shows about the viewer's own hold on a task. */
+  function holdingOf(task, options) {
+    if (task.status !== "in_progress" || task.leased_by !== ME) return null;
+    if (Leases.get(task.id)) return holderActions(task.id, options);
+    if (Leases.settling.has(task.id)) return h("p", { class: "card-note" }, "Updating…");
+    if (Leases.lost.has(task.id)) {
+      return h("p", { class: "card-note lost" }, "Lease lost: stop working on it.");
+    }
+    return h("p", { class: "card-note" }, "Held by you in another tab or session.");
+  }
+
+  // -- Applying events -------------------------------------------------------------------
+
+  /** The status a task had before ``event``, for a task this page has not seen yet. */
+  function previousStatus(event) {
+    switch (event.type) {
+      case "created":
+        return null;
+      case "claimed":
+        return "pending"; // an expired lease is recorded first, as "expired"
+      case "requeued":
+      case "cancelled":
+        return event.payload?.previous_status ?? null;
+      case "resolved":
+        return "escalated";
+      default:
+        return "in_progress";
+    }
+  }
+
+  /** A task as a "created" event describes it. */
+  function fromCreated(event) {
+    const payload = event.payload || {};
+    return {
+      id: event.task_id, title: payload.title ?? `Task ${event.task_id}`,
+      queue: payload.queue ?? "default", priority: payload.priority ?? 0,
+      description: "", payload: {}, status: "pending", failure_count: 0, max_failures: null,
+      run_after: null, leased_by: null, leased_until: null, lease_expired: false, result: null,
+      last_error: null, created_by: event.actor, created_at: event.created_at,
+      updated_at: event.created_at,
+    };
+  }
+
+  /** Change ``task`` (the API's Task shape) as ``event`` says. */
+  function applyToTask(task, event) {
+    const payload = event.payload || {};
+    const before = task.status;
+    task.status = event.status;
+    task.updated_at = event.created_at;
+    if (typeof payload.failure_count === "number") task.failure_count = payload.failure_count;
+    if (typeof payload.max_failures === "number") task.max_failures = payload.max_failures;
+    switch (event.type) {
+      case "claimed":
+        task.leased_by = event.actor;
+        task.leased_until = payload.lease_until;
+        break;
+      case "heartbeat":
+        task.leased_until = payload.lease_until;
+        break;
+      case "completed":
+      case "resolved":
+        task.result = payload.result ?? null;
+        break;
+      case "failed":
+        task.last_error = payload.error ?? task.last_error;
+        if (payload.run_after) task.run_after = payload.run_after;
+        break;
+      case "expired":
+        task.last_error = `lease expired (held by ${payload.previous_holder})`;
+        break;
+      case "escalated":
+        // From the holder's escalate; after a failure or an expiry the error stays.
+        if (before === "in_progress" && payload.error === undefined) task.last_error = payload.reason;
+        break;
+      case "requeued":
+        task.failure_count = 0;
+        task.run_after = null;
+        task.result = null;
+        break;
+      default:
+        break;
+    }
+    if (task.status !== "in_progress") {
+      task.leased_by = null;
+      task.leased_until = null;
+    }
+    return task;
+  }
+
+  /** Open the stream and hand each event to ``onEvent``, in order. */
+  function connect(onEvent) {
+    const indicator = document.querySelector(".live");
+    let last = String(STATE.resume_id);
+    let delay = 1000;
+
+    function show(state, text) {
+      if (!indicator) return;
+      indicator.dataset.stream = state;
+      indicator.textContent = text;
+    }
+
+    function open() {
+      // The query names where to resume; on its own reconnects EventSource sends the last
+      // id it received as Last-Event-ID, which the server prefers.
+      const source = new EventSource(`/api/v1/stream/?lastEventId=${encodeURIComponent(last)}`);
+      source.addEventListener("open", () => {
+        delay = 1000;
+        show("live", "Live");
+      });
+      source.addEventListener("task_event", (message) => {
+        if (message.lastEventId) last = message.lastEventId;
+        let event;
+        try {
+          event = JSON.parse(message.data);
+        } catch {
+          return;
+        }
+        onEvent(event);
+      });
+      source.addEventListener("error", () => {
+        if (source.readyState === EventSource.CLOSED) {
+          // Refused (a 503, or the session ended): EventSource gives up; try again later.
+          show("offline", "Offline, retrying");
+          setTimeout(open, delay);
+          delay = Math.min(delay * 2, 30000);
+        } else {
+          show("reconnecting", "Reconnecting…");
+        }
+      });
+    }
+
+    open();
+  }
+
+  /** The ids of the events a page has applied, or that the server drew into it: an event
+   * delivered again changes nothing. The oldest ids are forgotten past a bound (the stream
+   * itself sends nothing twice; only the page's first events may repeat what it shows). */
+  function eventIds(initial) {
+    const ids = new Set(initial);
+    return {
+      has: (id) => ids.has(id),
+      add(id) {
+        ids.add(id);
+        if (ids.size <= 50000) return;
+        let surplus = ids.size - 40000;
+        for (const old of ids) {
+          if (surplus-- <= 0) break;
+          ids.delete(old);
+        }
+      },
+    };
+  }
+
+  /** Apply events one at a time, in arrival order, even when one waits for a fetch. */
+  function serially(apply) {
+    let chain = Promise.resolve();
+    return (event) => {
+      chain = chain.then(() => apply(event)).catch((error) => console.error("taskboard:", error));
+    };
+  }
+
+  // -- The board -------------------------------------------------------------------------
+
+  const COLUMN_OF = {
+    pending: "pending", in_progress: "in_progress", escalated: "escalated",
+    done: "finished", cancelled: "finished",
+  };
+  const time = (iso) => Date.parse(iso) || 0;
+  const claimOrder = (a, b) =>
+    b.priority - a.priority || time(a.created_at) - time(b.created_at) || a.id - b.id;
+  const ORDER = {
+    pending: claimOrder,
+    in_progress: claimOrder,
+    escalated: (a, b) => time(a.updated_at) - time(b.updated_at) || a.id - b.id,
+    finished: (a, b) => time(b.updated_at) - time(a.updated_at) || b.id - a.id,
+  };
+
+  function renderCard(task) {
+    const url = `/tasks/${task.id}/`;
+    const inProgress = task.status === "in_progress";
+    const finished = task.status === "done" || task.status === "cancelled";
+    const mine = inProgress && task.leased_by === ME && Boolean(Leases.get(task.id));
+    const due = task.status === "pending" && task.run_after && time(task.run_after) > serverNow();
+    const card = h("article", {
+      class: `card status-${task.status}${mine ? " mine" : ""}`,
+      dataset: { taskId: task.id },
+    },
+      h("div", { class: "card-top" },
+        h("a", { class: "card-id", href: url }, `#${task.id}`),
+        h("span", { class: "chip chip-queue", title: "Queue" }, task.queue),
+        task.priority ? h("span", { class: "chip chip-priority", title: "Priority" }, `P${task.priority}`) : null,
+        task.failure_count
+          ? h("span", { class: "chip chip-strikes", title: "Failures since the last requeue" },
+            `${task.failure_count}/${task.max_failures ?? "?"} strikes`)
+          : null,
+        finished ? h("span", { class: `badge badge-${task.status}` }, label(task.status)) : null),
+      h("a", { class: "card-title", href: url }, task.title),
+      inProgress
+        ? h("div", { class: "card-lease" },
+          h("span", { class: "holder", title: "Holder" }, task.leased_by),
+          h("span", { class: "lease", dataset: { until: task.leased_until } }))
+        : null,
+      task.last_error && task.status !== "done"
+        ? h("p", { class: "card-error" }, truncate(task.last_error, 160))
+        : null,
+      inProgress
+        ? null
+        : h("p", { class: "card-meta" },
+          task.status === "pending" ? `by ${task.created_by} · ` : null,
+          timeElement(task.updated_at),
+          due ? ` · retry after ${absolute(task.run_after)}` : null),
+      holdingOf(task));
+    refreshLeases(card);
+    return card;
+  }
+
+  function boardPage() {
+    const columns = {};
+    for (const section of document.querySelectorAll("[data-column]")) {
+      columns[section.dataset.column] = section;
+    }
+    const tasks = new Map(); // id -> task, for the cards on the page
+    const statusOf = new Map(); // id -> status, for every task of this filter seen
+    const foreign = new Set(); // tasks of other queues, when the board is filtered
+    const seen = eventIds(STATE.skip);
+    const counts = { ...STATE.counts };
+
+    function cardOf(id) {
+      return document.querySelector(`.columns .card[data-task-id="${id}"]`);
+    }
+
+    function place(task, { flash = false } = {}) {
+      cardOf(task.id)?.remove();
+      const key = COLUMN_OF[task.status];
+      const list = columns[key].querySelector("[data-cards]");
+      const card = renderCard(task);
+      if (flash) card.classList.add("flash");
+      let before = null;
+      for (const other of list.children) {
+        const shown = tasks.get(Number(other.dataset.taskId));
+        if (shown && ORDER[key](task, shown) < 0) {
+          before = other;
+          break;
+        }
+      }
+      list.insertBefore(card, before);
+      if (key === "finished") {
+        while (list.children.length > STATE.finished_limit) {
+          tasks.delete(Number(list.lastElementChild.dataset.taskId));
+          list.lastElementChild.remove();
+        }
+      }
+    }
+
+    function refreshCounts() {
+      for (const node of document.querySelectorAll("[data-count]")) {
+        node.textContent = counts[node.dataset.count] ?? 0;
+      }
+      const total = {
+        pending: counts.pending, in_progress: counts.in_progress, escalated: counts.escalated,
+        finished: counts.done + counts.cancelled,
+      };
+      for (const [key, section] of Object.entries(columns)) {
+        const shown = section.querySelector("[data-cards]").children.length;
+        section.querySelector("[data-column-count]").textContent = total[key];
+        section.querySelector(".column-empty").hidden = shown > 0;
+        const more = section.querySelector("[data-more]");
+        const hidden = total[key] - shown;
+        more.hidden = key === "finished" || hidden <= 0;
+        more.textContent = `${hidden} more not shown`;
+      }
+    }
+
+    function addQueueOption(queue) {
+      const select = document.getElementById("queue-select");
+      if (!select || [...select.options].some((option) => option.value === queue)) return;
+      const options = [...select.options].slice(1);
+      const next = options.find((option) => option.value > queue) ?? null;
+      select.insertBefore(h("option", { value: queue }, queue), next);
+    }
+
+    async function apply(event) {
+      if (seen.has(event.id)) return;
+      seen.add(event.id);
+      const id = event.task_id;
+      if (foreign.has(id)) return;
+      if (event.type === "created") addQueueOption(event.payload?.queue ?? "default");
+      let task = tasks.get(id);
+      if (!task) {
+        // A task the page has not drawn: new, or beyond what the columns show.
+        task = event.type === "created" ? fromCreated(event) : await fetchTask(id);
+        if (!task) return;
+        if (STATE.queue && task.queue !== STATE.queue) {
+          foreign.add(id);
+          return;
+        }
+      }
+      const before = statusOf.has(id) ? statusOf.get(id) : previousStatus(event);
+      applyToTask(task, event);
+      if (before !== task.status) {
+        if (before) counts[before] -= 1;
+        counts[task.status] += 1;
+      }
+      statusOf.set(id, task.status);
+      tasks.set(id, task);
+      if (task.status !== "in_progress") Leases.settling.delete(id);
+      place(task, { flash: event.type !== "heartbeat" });
+      refreshCounts();
+      Leases.check(task, event);
+    }
+
+    Leases.onChange = (id) => {
+      const task = tasks.get(id);
+      if (task) place(task);
+    };
+
+    // Draw every card with the same code that draws the live changes.
+    for (const task of STATE.tasks) {
+      tasks.set(task.id, task);
+      statusOf.set(task.id, task.status);
+    }
+    for (const task of STATE.tasks) place(task);
+    refreshCounts();
+
+    document.getElementById("queue-select")?.addEventListener("change", (change) => {
+      change.target.form.submit();
+    });
+
+    const claimButton = document.getElementById("claim-next");
+    claimButton?.addEventListener("click", async () => {
+      claimButton.disabled = true;
+      const body = { lease_seconds: STATE.lease_seconds };
+      if (STATE.queue) body.queues = [STATE.queue];
+      const result = await api("POST", "tasks/claim/", body);
+      claimButton.disabled = false;
+      if (!result.ok) {
+        notify(errorText(result, "The claim failed."), { kind: "error" });
+      } else if (result.data.tasks.length === 0) {
+        notify(STATE.queue ? `Nothing to claim in ${STATE.queue}.` : "Nothing to claim.");
+      } else {
+        const claimed = result.data.tasks[0];
+        Leases.hold(claimed.id, claimed.lease_token, STATE.lease_seconds);
+        notify(`You hold #${claimed.id} ${claimed.title}. This page keeps the lease alive.`);
+      }
+    });
+
+    const form = document.getElementById("new-task-form");
+    const formSection = document.getElementById("new-task");
+    const toggle = document.getElementById("new-task-toggle");
+    function showForm(open) {
+      formSection.hidden = !open;
+      toggle.setAttribute("aria-expanded", String(open));
+      if (open) form.elements.title.focus();
+    }
+    toggle?.addEventListener("click", () => showForm(formSection.hidden));
+    form?.querySelector("[data-close]")?.addEventListener("click", () => showForm(false));
+    form?.addEventListener("submit", async (submit) => {
+      submit.preventDefault();
+      const problem = form.querySelector("[data-form-error]");
+      const fail = (text) => {
+        problem.textContent = text;
+        problem.hidden = false;
+      };
+      problem.hidden = true;
+      const data = new FormData(form);
+      let payload;
+      try {
+        payload = JSON.parse(String(data.get("payload") || "").trim() || "{}");
+      } catch {
+        return fail("Payload: this is not valid JSON.");
+      }
+      if (payload === null || typeof payload !== "object" || Array.isArray(payload)) {
+        return fail('Payload: must be a JSON object, such as {"key": "value"}.');
+      }
+      const priorityText = String(data.get("priority") || "0").trim();
+      const priority = Number(priorityText);
+      if (!/^-?\d+$/.test(priorityText)) return fail("Priority: a whole number, -1000 to 1000.");
+      const body = {
+        title: String(data.get("title") || "").trim(),
+        description: String(data.get("description") || ""),
+        queue: String(data.get("queue") || "").trim() || "default",
+        priority,
+        payload,
+      };
+      const button = form.querySelector('button[type="submit"]');
+      button.disabled = true;
+      const result = await api("POST", "tasks/", body);
+      button.disabled = false;
+      if (!result.ok) return fail(errorText(result, "The task could not be created."));
+      form.reset();
+      form.elements.queue.value = STATE.queue || "default";
+      form.elements.payload.value = "{}";
+      showForm(false);
+      const elsewhere = STATE.queue && result.data.queue !== STATE.queue;
+      notify(`Created #${result.data.id}${elsewhere ? ` in ${result.data.queue} (another queue)` : ""}.`);
+    });
+
+    connect(serially(apply));
+  }
+
+  // -- A task's page ---------------------------------------------------------------------
+
+  /** An event's payload as key: value lines (strings as they are, the rest as JSON). */
+  function eventData(payload) {
+    const keys = Object.keys(payload).sort();
+    if (!keys.length) return null;
+    return h("dl", { class: "event-data" }, keys.map((key) => {
+      const value = payload[key];
+      if (typeof value === "string" && TIMESTAMP.test(value)) {
+        return [h("dt", {}, key), h("dd", {}, h("time", { datetime: value }, absolute(value)))];
+      }
+      return [
+        h("dt", {}, key),
+        h("dd", { class: typeof value === "string" ? null : "mono" },
+          typeof value === "string" ? value : JSON.stringify(sortedKeys(value))),
+      ];
+    }));
+  }
+
+  function renderEvent(event) {
+    return h("li", { class: `event event-${event.type} new`, dataset: { eventId: event.id } },
+      h("div", { class: "event-head" },
+        h("span", { class: "event-type" }, event.type),
+        h("span", { class: "event-actor" }, "by ", h("b", {}, event.actor)),
+        h("span", { class: `badge badge-${event.status}` }, label(event.status)),
+        timeElement(event.created_at)),
+      eventData(event.payload || {}));
+  }
+
+  function taskPage() {
+    const task = STATE.task;
+    const seen = eventIds(STATE.skip);
+    const timeline = document.querySelector("[data-timeline]");
+    const field = (name) => document.querySelector(`[data-field="${name}"]`);
+    for (const item of timeline.children) seen.add(Number(item.dataset.eventId));
+
+    function fill() {
+      const status = field("status");
+      status.className = `badge badge-${task.status}`;
+      status.textContent = label(task.status);
+      const panel = field("lease-panel");
+      panel.hidden = task.status !== "in_progress";
+      panel.classList.remove("stalled");
+      field("holder").textContent = task.leased_by ?? "";
+      const lease = field("lease");
+      if (task.leased_until) lease.dataset.until = task.leased_until;
+      else delete lease.dataset.until;
+      lease.textContent = "";
+      field("stalled").hidden = true;
+      const actions = panel.querySelector("[data-actions]");
+      actions.replaceChildren(...[holdingOf(task, { withResult: true })].filter(Boolean));
+      field("strikes").textContent = `${task.failure_count} of ${task.max_failures}`;
+      field("run_after").replaceChildren(task.run_after ? timeElement(task.run_after) : "—");
+      field("updated").replaceChildren(timeElement(task.updated_at));
+      field("error-panel").hidden = !task.last_error;
+      field("last_error").textContent = task.last_error ?? "";
+      const hasResult = task.result !== null && task.result !== undefined;
+      field("result").hidden = !hasResult;
+      field("result").textContent = hasResult ? prettyJSON(task.result) : "";
+      field("no-result").hidden = hasResult;
+      field("event-count").textContent = timeline.children.length;
+      refreshLeases();
+      refreshTimes();
+    }
+
+    function apply(event) {
+      if (event.task_id !== task.id || seen.has(event.id)) return;
+      seen.add(event.id);
+      timeline.append(renderEvent(event));
+      applyToTask(task, event);
+      if (task.status !== "in_progress") Leases.settling.delete(task.id);
+      fill();
+      Leases.check(task, event);
+    }
+
+    Leases.onChange = (id) => {
+      if (id === task.id) fill();
+    };
+    fill();
+    connect(serially(apply));
+  }
+
+  // -- Start -----------------------------------------------------------------------------
+
+  for (const id of Leases.ids()) Leases.keepAlive(id, true);
+  if (STATE.page === "board") boardPage();
+  else if (STATE.page === "task") taskPage();
+  refreshTimes();
+  refreshLeases();
+  let ticks = 0;
+  setInterval(() => {
+    refreshLeases();
+    ticks += 1;
+    if (ticks % 10 === 0) refreshTimes();
+  }, 1000);
+})();

@@ -1,0 +1,43 @@
+"""Template filters for the board pages."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def pretty_json(value: Any) -> str:
+    """Return ``value`` as indented JSON (autoescaping still applies to the result)."""
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+@register.filter
+def status_label(value: str) -> str:
+    """Return a status or event type as words: "in_progress" -> "in progress"."""
+    return str(value).replace("_", " ")
+
+
+# A time as the database's JSON writes it: 2026-03-01T12:00:00.123456+00:00.
+_TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d(:\d\d(\.\d+)?)?(Z|[+-]\d\d:\d\d)")
+
+
+@register.filter
+def event_data(payload: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Return an event's payload as (key, text, kind) rows, sorted by key.
+
+    ``kind`` is "time" for a timestamp, "text" for another string, "json" for the rest
+    (shown as compact JSON).
+    """
+    rows = []
+    for key, value in sorted(payload.items()):
+        if isinstance(value, str):
+            rows.append((key, value, "time" if _TIMESTAMP.fullmatch(value) else "text"))
+        else:
+            rows.append((key, json.dumps(value, ensure_ascii=False, sort_keys=True), "json"))
+    return rows

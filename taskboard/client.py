@@ -1,0 +1,976 @@
+"""A Python client for the Taskboard API v1 (see the README's "Writing an agent").
+
+It needs nothing but httpx, and never imports Django: an agent installs the package and
+imports ``taskboard.client`` on a machine that runs no server.
+
+::
+
+    from taskboard.client import Client
+
+    with Client("http://127.0.0.1:8000", token) as board:
+        while True:
+            for task in board.claim(queues=["images"], wait=30, lease_seconds=60):
+                with board.lease(task) as lease:  # heartbeats in the background
+                    result = resize(task.payload, stop_if=lambda: lease.lost)
+                    if not lease.lost:
+                        lease.complete(result)
+
+Every method maps to one endpoint of the contract and returns typed results (:class:`Task`,
+:class:`ClaimedTask`, :class:`Event`, :class:`Page`). Refusals raise a subclass of
+:class:`TaskboardError`. Requests that fail to reach the server, and ``503`` answers, are
+retried with bounded exponential backoff and jitter; ``4xx`` answers never are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+import httpx
+
+__all__ = [
+    "AuthenticationError",
+    "ClaimedTask",
+    "Client",
+    "Conflict",
+    "Event",
+    "InvalidTransition",
+    "Lease",
+    "LeaseLost",
+    "NotFound",
+    "Page",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "Task",
+    "TaskboardError",
+    "Unavailable",
+    "ValidationError",
+]
+
+logger = logging.getLogger(__name__)
+
+API = "/api/v1"
+STREAM_PATH = f"{API}/stream/"
+USER_AGENT = "taskboard-client/0.1"
+# Seconds the server may hold a waiting claim (the contract's maximum ``wait``).
+MAX_WAIT = 60.0
+
+
+# -- Errors ------------------------------------------------------------------------------
+
+
+class TaskboardError(Exception):
+    """The server refused a request, or could not be reached.
+
+    ``status`` is the HTTP status (None when no answer came), ``code`` the contract's
+    machine-readable ``error``, ``detail`` its sentence, ``fields`` the messages for each
+    refused field (400 only), and ``task_status`` the task's status on a 409.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        status: int | None = None,
+        code: str = "error",
+        fields: Mapping[str, list[str]] | None = None,
+        task_status: str | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.fields: dict[str, list[str]] = dict(fields or {})
+        self.task_status = task_status
+        self.body = body
+
+    def __str__(self) -> str:
+        prefix = f"{self.status} {self.code}" if self.status else self.code
+        return f"{prefix}: {self.detail}"
+
+
+class ValidationError(TaskboardError):
+    """400: the request was invalid; ``fields`` says what is wrong with which field."""
+
+
+class AuthenticationError(TaskboardError):
+    """401: no token, or one the server does not know."""
+
+
+class PermissionDenied(TaskboardError):
+    """403: authenticated, but not allowed (a staff action by a non-staff user)."""
+
+
+class NotFound(TaskboardError):
+    """404: no such task."""
+
+
+class Conflict(TaskboardError):
+    """409: the task's state does not allow the request."""
+
+
+class LeaseLost(Conflict):
+    """409 lease_lost: you do not hold a live lease on the task. Stop working on it."""
+
+
+class InvalidTransition(Conflict):
+    """409 invalid_transition: the task's status does not allow this staff action."""
+
+
+class PayloadTooLarge(TaskboardError):
+    """413: the request body is over the server's limit (1 MiB)."""
+
+
+class Unavailable(TaskboardError):
+    """503, or no answer at all (connection refused, timed out), after the retries."""
+
+
+_BY_STATUS: dict[int, type[TaskboardError]] = {
+    400: ValidationError,
+    401: AuthenticationError,
+    403: PermissionDenied,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    503: Unavailable,
+}
+_BY_CODE: dict[str, type[TaskboardError]] = {
+    "lease_lost": LeaseLost,
+    "invalid_transition": InvalidTransition,
+}
+
+
+def error_from_response(response: httpx.Response) -> TaskboardError:
+    """Return the exception for an error ``response`` (any status >= 400)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        text = response.text.strip()[:500] or response.reason_phrase
+        return _BY_STATUS.get(response.status_code, TaskboardError)(
+            text, status=response.status_code, code=f"http_{response.status_code}", body=body
+        )
+    code = str(body.get("error") or f"http_{response.status_code}")
+    cls = _BY_CODE.get(code) or _BY_STATUS.get(response.status_code, TaskboardError)
+    fields = body.get("fields")
+    return cls(
+        str(body.get("detail") or code),
+        status=response.status_code,
+        code=code,
+        fields=fields if isinstance(fields, dict) else None,
+        task_status=body.get("status") if response.status_code == 409 else None,
+        body=body,
+    )
+
+
+# -- Results -----------------------------------------------------------------------------
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """Parse one of the API's ISO 8601 times (always with a UTC offset), or None."""
+    return None if value is None else datetime.fromisoformat(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """A task as the API renders it. ``raw`` is the JSON object it was read from."""
+
+    id: int
+    title: str
+    description: str
+    payload: dict[str, Any]
+    queue: str
+    priority: int
+    max_failures: int
+    run_after: datetime | None
+    status: str
+    failure_count: int
+    leased_by: str | None
+    leased_until: datetime | None
+    lease_expired: bool
+    result: Any
+    last_error: str | None
+    created_by: str
+    created_at: datetime
+    updated_at: datetime
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Task:
+        return cls(**_task_fields(data))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimedTask(Task):
+    """A task you hold a lease on, as a claim returned it.
+
+    ``lease_seconds`` is the lease length asked for (or, when the claim asked for none,
+    estimated from ``leased_until``); ``claimed_at`` is the ``time.monotonic()`` at which
+    the claim was sent, so the lease surely runs out no earlier than ``claimed_at +
+    lease_seconds`` on this machine's clock.
+    """
+
+    lease_token: str = field(repr=False)
+    lease_seconds: float = 0.0
+    claimed_at: float = field(default=0.0, repr=False, compare=False)
+
+
+def _task_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    # Fields the contract may add later are kept in ``raw`` only.
+    return {
+        "id": int(data["id"]),
+        "title": data["title"],
+        "description": data.get("description", ""),
+        "payload": data.get("payload") or {},
+        "queue": data["queue"],
+        "priority": int(data.get("priority", 0)),
+        "max_failures": int(data.get("max_failures", 0)),
+        "run_after": parse_time(data.get("run_after")),
+        "status": data["status"],
+        "failure_count": int(data.get("failure_count", 0)),
+        "leased_by": data.get("leased_by"),
+        "leased_until": parse_time(data.get("leased_until")),
+        "lease_expired": bool(data.get("lease_expired", False)),
+        "result": data.get("result"),
+        "last_error": data.get("last_error"),
+        "created_by": data.get("created_by", ""),
+        "created_at": parse_time(data["created_at"]),
+        "updated_at": parse_time(data["updated_at"]),
+        "raw": dict(data),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One entry of the append-only audit log.
+
+    ``stream_id`` is the SSE ``id:`` it came with (events read from the stream only): pass
+    it to :meth:`Client.stream` as ``last_event_id`` to resume after it.
+    """
+
+    id: int
+    task_id: int
+    type: str
+    status: str
+    actor: str
+    payload: dict[str, Any]
+    created_at: datetime
+    stream_id: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], stream_id: str | None = None) -> Event:
+        return cls(
+            id=int(data["id"]),
+            task_id=int(data["task_id"]),
+            type=data["type"],
+            status=data["status"],
+            actor=data["actor"],
+            payload=data.get("payload") or {},
+            created_at=datetime.fromisoformat(data["created_at"]),
+            stream_id=stream_id,
+        )
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list: its ``results`` and the URL of the next page (None at the end)."""
+
+    results: list[T]
+    next: str | None
+
+
+# -- The client --------------------------------------------------------------------------
+
+
+TaskRef = Task | int
+
+
+def _task_id(task: TaskRef) -> int:
+    return task if isinstance(task, int) else task.id
+
+
+def _lease_of(task: ClaimedTask | int, lease_token: str | None) -> tuple[int, str]:
+    if lease_token is None:
+        if not isinstance(task, ClaimedTask):
+            raise TypeError("pass a ClaimedTask, or a task id and its lease_token")
+        lease_token = task.lease_token
+    return _task_id(task), lease_token
+
+
+def _drop_none(**values: Any) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _time_param(value: datetime | str | None) -> str | None:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+# Errors after which the request surely never reached the server: safe to send again.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class Client:
+    """A connection to one Taskboard server, as one user (its API token).
+
+    ``timeout`` bounds each request (a claim with ``wait`` gets ``wait`` more). Requests
+    that never reached the server (connection refused or timed out) and ``503`` answers are
+    retried up to ``retries`` times, after ``backoff * 2**n`` seconds (at most
+    ``max_backoff``, with jitter, and no less than a ``Retry-After`` within that bound).
+    A request that was sent but got no answer is retried only if repeating it is harmless
+    (reads and heartbeats): repeating a claim, a create or a complete could do it twice.
+    ``4xx`` answers are never retried.
+
+    One client may be shared by threads.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            transport=transport,
+            # Enough for a claim, a stream and a heartbeat per task of a busy worker.
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=20),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    def create(
+        self,
+        title: str,
+        *,
+        description: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_failures: int | None = None,
+        run_after: datetime | str | None = None,
+    ) -> Task:
+        """Create a pending task; what is not given gets the server's default."""
+        body = _drop_none(
+            title=title,
+            description=description,
+            payload=dict(payload) if payload is not None else None,
+            queue=queue,
+            priority=priority,
+            max_failures=max_failures,
+            run_after=_time_param(run_after),
+        )
+        return Task.from_json(self._request("POST", "/tasks/", body=body))
+
+    def list_tasks(
+        self,
+        *,
+        status: str | None = None,
+        queue: str | None = None,
+        leased_by: str | None = None,
+        limit: int | None = None,
+        before: int | None = None,
+    ) -> Page[Task]:
+        """Return one page of tasks, newest first (``before``: only smaller ids)."""
+        params = _drop_none(
+            status=status, queue=queue, leased_by=leased_by, limit=limit, before=before
+        )
+        data = self._request("GET", "/tasks/", params=params)
+        return Page([Task.from_json(t) for t in data["results"]], data.get("next"))
+
+    def iter_tasks(
+        self,
+        *,
+        status: str | None = None,
+        queue: str | None = None,
+        leased_by: str | None = None,
+        page_size: int | None = None,
+    ) -> Iterator[Task]:
+        """Yield every matching task, newest first, fetching page after page."""
+        params = _drop_none(status=status, queue=queue, leased_by=leased_by, limit=page_size)
+        for data in self._pages("/tasks/", params):
+            yield Task.from_json(data)
+
+    def get(self, task: TaskRef) -> Task:
+        """Return the task as it is now."""
+        return Task.from_json(self._request("GET", f"/tasks/{_task_id(task)}/"))
+
+    def claim(
+        self,
+        *,
+        queues: list[str] | None = None,
+        limit: int = 1,
+        lease_seconds: int | None = None,
+        wait: float = 0,
+    ) -> list[ClaimedTask]:
+        """Lease up to ``limit`` claimable tasks (from ``queues``, or any queue).
+
+        With ``wait`` > 0 (at most 60) the server holds the request until work comes or
+        the time is up; the list is empty when nothing came. Each task carries its
+        ``lease_token``: keep it alive with :meth:`lease` or :meth:`heartbeat`.
+        """
+        body = _drop_none(
+            queues=queues, limit=limit, lease_seconds=lease_seconds, wait=wait or None
+        )
+        sent = time.monotonic()
+        # The server answers after up to ``wait`` seconds: the read may take that long.
+        timeout = self.timeout + min(float(wait), MAX_WAIT) if wait else None
+        data = self._request("POST", "/tasks/claim/", body=body, timeout=timeout)
+        now = datetime.now(UTC)
+        claimed = []
+        for raw in data["tasks"]:
+            fields = _task_fields(raw)
+            if lease_seconds is not None:
+                length = float(lease_seconds)
+            else:
+                # The server's default length, estimated by what is left of it now: a bit
+                # short (by the answer's travel time), so the lease's deadline as counted
+                # from ``sent`` errs early. A skewed clock skews the estimate.
+                until = fields["leased_until"] or now
+                length = max(1.0, (until - now).total_seconds())
+            claimed.append(
+                ClaimedTask(
+                    **fields,
+                    lease_token=raw["lease_token"],
+                    lease_seconds=length,
+                    claimed_at=sent,
+                )
+            )
+        return claimed
+
+    def heartbeat(
+        self,
+        task: ClaimedTask | int,
+        *,
+        lease_token: str | None = None,
+        lease_seconds: int | None = None,
+        progress: Any = None,
+        timeout: float | None = None,
+        retries: int | None = None,
+    ) -> Task:
+        """Push your lease forward by ``lease_seconds`` (default: the length claimed)."""
+        task_id, token = _lease_of(task, lease_token)
+        body = _drop_none(lease_token=token, lease_seconds=lease_seconds, progress=progress)
+        data = self._request(
+            "POST",
+            f"/tasks/{task_id}/heartbeat/",
+            body=body,
+            idempotent=True,
+            timeout=timeout,
+            retries=retries,
+        )
+        return Task.from_json(data)
+
+    def complete(
+        self, task: ClaimedTask | int, *, lease_token: str | None = None, result: Any = None
+    ) -> Task:
+        """Mark your task done with ``result`` (any JSON value)."""
+        task_id, token = _lease_of(task, lease_token)
+        body = {"lease_token": token, "result": result}
+        return Task.from_json(self._request("POST", f"/tasks/{task_id}/complete/", body=body))
+
+    def fail(
+        self,
+        task: ClaimedTask | int,
+        error: str,
+        *,
+        lease_token: str | None = None,
+        retry_after: int | None = None,
+    ) -> Task:
+        """Count a strike on your task: pending again (after ``retry_after`` s) or escalated."""
+        task_id, token = _lease_of(task, lease_token)
+        body = _drop_none(lease_token=token, error=error, retry_after=retry_after)
+        return Task.from_json(self._request("POST", f"/tasks/{task_id}/fail/", body=body))
+
+    def release(self, task: ClaimedTask | int, *, lease_token: str | None = None) -> Task:
+        """Give your task back, pending, without a strike."""
+        task_id, token = _lease_of(task, lease_token)
+        body = {"lease_token": token}
+        return Task.from_json(self._request("POST", f"/tasks/{task_id}/release/", body=body))
+
+    def escalate(
+        self, task: ClaimedTask | int, reason: str, *, lease_token: str | None = None
+    ) -> Task:
+        """Hand your task to the humans (escalated), with ``reason``."""
+        task_id, token = _lease_of(task, lease_token)
+        body = {"lease_token": token, "reason": reason}
+        return Task.from_json(self._request("POST", f"/tasks/{task_id}/escalate/", body=body))
+
+    def requeue(self, task: TaskRef, *, note: str | None = None) -> Task:
+        """Staff: put an escalated, done or cancelled task back to pending, strikes reset."""
+        body = _drop_none(note=note)
+        path = f"/tasks/{_task_id(task)}/requeue/"
+        return Task.from_json(self._request("POST", path, body=body))
+
+    def resolve(self, task: TaskRef, *, note: str | None = None, result: Any = None) -> Task:
+        """Staff: mark an escalated task done, with ``result``."""
+        body = _drop_none(note=note, result=result)
+        path = f"/tasks/{_task_id(task)}/resolve/"
+        return Task.from_json(self._request("POST", path, body=body))
+
+    def cancel(self, task: TaskRef, *, note: str | None = None) -> Task:
+        """Staff: cancel a pending or escalated task."""
+        body = _drop_none(note=note)
+        path = f"/tasks/{_task_id(task)}/cancel/"
+        return Task.from_json(self._request("POST", path, body=body))
+
+    # -- events --------------------------------------------------------------------------
+
+    def task_events(
+        self, task: TaskRef, *, after: int | None = None, limit: int | None = None
+    ) -> Page[Event]:
+        """Return one page of the task's events, oldest first."""
+        params = _drop_none(after=after, limit=limit)
+        data = self._request("GET", f"/tasks/{_task_id(task)}/events/", params=params)
+        return Page([Event.from_json(e) for e in data["results"]], data.get("next"))
+
+    def iter_task_events(self, task: TaskRef, *, page_size: int | None = None) -> Iterator[Event]:
+        """Yield all of the task's events, oldest first."""
+        for data in self._pages(f"/tasks/{_task_id(task)}/events/", _drop_none(limit=page_size)):
+            yield Event.from_json(data)
+
+    def events(
+        self,
+        *,
+        after: int | None = None,
+        task: TaskRef | None = None,
+        type: str | None = None,
+        limit: int | None = None,
+    ) -> Page[Event]:
+        """Return one page of the event log, by ascending id, after event ``after``."""
+        params = _drop_none(
+            after=after,
+            task=_task_id(task) if task is not None else None,
+            type=type,
+            limit=limit,
+        )
+        data = self._request("GET", "/events/", params=params)
+        return Page([Event.from_json(e) for e in data["results"]], data.get("next"))
+
+    def iter_events(
+        self,
+        *,
+        after: int | None = None,
+        task: TaskRef | None = None,
+        type: str | None = None,
+        page_size: int | None = None,
+    ) -> Iterator[Event]:
+        """Yield every event of the log after ``after`` that exists now, by ascending id."""
+        params = _drop_none(
+            after=after,
+            task=_task_id(task) if task is not None else None,
+            type=type,
+            limit=page_size,
+        )
+        for data in self._pages("/events/", params):
+            yield Event.from_json(data)
+
+    def stream(
+        self, last_event_id: str | int | None = None, *, read_timeout: float = 75.0
+    ) -> Iterator[Event]:
+        """Yield every new event, live, from ``GET /api/v1/stream/``; never returns.
+
+        With ``last_event_id`` (an event's ``stream_id``) the stream starts right after
+        that event. When the connection drops, or the server ends the stream (a restart),
+        it reconnects, as a browser's EventSource does: after the server's ``retry:`` delay,
+        then with backoff while the server cannot be reached, resuming with
+        ``Last-Event-ID`` so that no event is missed or repeated. ``read_timeout`` is how
+        long silence (the server sends a keep-alive at least every 30 s) means a dead
+        connection. Authentication and other 4xx refusals are raised.
+        """
+        last = None if last_event_id is None else str(last_event_id)
+        retry_delay = 1.0
+        failures = 0
+        while True:
+            headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+            if last is not None:
+                headers["Last-Event-ID"] = last
+            timeout = httpx.Timeout(self.timeout, read=read_timeout)
+            try:
+                with self._http.stream(
+                    "GET", STREAM_PATH, headers=headers, timeout=timeout
+                ) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        if response.status_code != 503:
+                            raise error_from_response(response)
+                        failures += 1
+                    else:
+                        failures = 0
+                        parser = SSEParser()
+                        for line in response.iter_lines():
+                            event = parser.feed(line)
+                            if parser.retry is not None:
+                                retry_delay = parser.retry
+                            if parser.last_id is not None:
+                                last = parser.last_id
+                            if event is not None:
+                                yield event
+            except httpx.TransportError as exc:
+                failures += 1
+                logger.info("stream: connection lost (%s); reconnecting", exc)
+            delay = retry_delay if failures <= 1 else self._delay(failures - 2, None)
+            time.sleep(delay)
+
+    events_stream = stream
+
+    # -- leases --------------------------------------------------------------------------
+
+    def lease(
+        self,
+        task: ClaimedTask,
+        *,
+        on_lost: Callable[[Lease], None] | None = None,
+        interval: float | None = None,
+    ) -> Lease:
+        """Start keeping ``task``'s lease alive in the background; see :class:`Lease`."""
+        return Lease(self, task, on_lost=on_lost, interval=interval).start()
+
+    # -- health --------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """Return whether the server and its database answer (``GET /healthz``)."""
+        try:
+            response = self._http.get("/healthz", timeout=min(self.timeout, 10.0))
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _pages(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Yield the results of every page, following each page's ``next``."""
+        while True:
+            data = self._request("GET", path, params=params)
+            yield from data["results"]
+            if not data.get("next"):
+                return
+            # The next page is the same path with the cursor in its query. Only the query
+            # is taken, so a server behind a proxy that names another host still works.
+            params = dict(httpx.URL(data["next"]).params)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        idempotent: bool | None = None,
+        retries: int | None = None,
+    ) -> Any:
+        """Send a request to ``API + path``; return its JSON, or raise a TaskboardError."""
+        retries = self.retries if retries is None else retries
+        repeatable = method == "GET" if idempotent is None else idempotent
+        request_timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if timeout is not None:
+            request_timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        attempt = 0
+        while True:
+            retry_after: float | None = None
+            cause: BaseException | None = None
+            try:
+                response = self._http.request(
+                    method, API + path, json=body, params=params, timeout=request_timeout
+                )
+            except _UNSENT as exc:
+                failure: TaskboardError = Unavailable(
+                    f"Cannot reach {self.url}: {exc or type(exc).__name__}", code="unreachable"
+                )
+                cause = exc
+            except httpx.TransportError as exc:
+                failure = Unavailable(
+                    f"No answer from {self.url} ({exc or type(exc).__name__}); "
+                    "the request may or may not have taken effect.",
+                    code="no_answer",
+                )
+                cause = exc
+                if not repeatable:
+                    raise failure from exc
+            else:
+                if response.status_code < 400:
+                    return response.json() if response.content else None
+                failure = error_from_response(response)
+                if response.status_code != 503:
+                    raise failure
+                with contextlib.suppress(ValueError):
+                    retry_after = float(response.headers.get("Retry-After", ""))
+            if attempt >= retries:
+                raise failure from cause
+            delay = self._delay(attempt, retry_after)
+            logger.info("%s %s: %s; retrying in %.1f s", method, path, failure, delay)
+            time.sleep(delay)
+            attempt += 1
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        """Return the pause before retry ``attempt`` (0-based): exponential, jittered."""
+        ceiling = min(self.max_backoff, self.backoff * 2**attempt)
+        delay = random.uniform(ceiling / 2, ceiling)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.max_backoff))
+        return delay
+
+
+class SSEParser:
+    """The server-sent events line protocol (the WHATWG EventSource rules), line by line."""
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+        self.retry: float | None = None
+        self._data: list[str] = []
+        self._type = ""
+
+    def feed(self, line: str) -> Event | None:
+        """Take one line (without its end); return the Event it completes, if any."""
+        if line == "":
+            data, event_type = self._data, self._type or "message"
+            self._data, self._type = [], ""
+            if not data or event_type != "task_event":
+                return None
+            return Event.from_json(json.loads("\n".join(data)), stream_id=self.last_id)
+        if line.startswith(":"):
+            return None  # a comment: the keep-alive
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._type = value
+        elif name == "id" and "\x00" not in value:
+            self.last_id = value
+        elif name == "retry" and value.isdigit():
+            self.retry = int(value) / 1000
+        return None
+
+
+# -- Leases ------------------------------------------------------------------------------
+
+
+class Lease:
+    """Keep a claimed task's lease alive from a background thread, and say when it is lost.
+
+    The thread heartbeats every ``interval`` seconds (a third of the lease by default). The
+    lease is lost when a heartbeat is refused (``409 lease_lost``: it expired and someone
+    else claimed the task, or a human acted on it), or when no heartbeat got through
+    before the lease ran out (the server unreachable). The moment either happens,
+    :attr:`lost` turns true, :meth:`wait_lost` returns and ``on_lost(lease)`` is called
+    (from the heartbeat thread): stop working on the task, its result would be refused.
+
+    Finish with :meth:`complete`, :meth:`fail`, :meth:`release` or :meth:`escalate`, which
+    stop the heartbeats first. Used as a context manager, a block that raises fails the
+    task with the exception (a ``KeyboardInterrupt`` releases it), and a block that ends
+    without finishing the task releases it.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        task: ClaimedTask,
+        *,
+        on_lost: Callable[[Lease], None] | None = None,
+        interval: float | None = None,
+    ) -> None:
+        self.client = client
+        self.task = task
+        #: The task as the last heartbeat (or finishing call) returned it.
+        self.latest: Task = task
+        #: Why the lease was lost (a LeaseLost, or another refusal of a heartbeat).
+        self.error: TaskboardError | None = None
+        self.on_lost = on_lost
+        self.lease_seconds = max(task.lease_seconds, 0.001)
+        self.interval = interval if interval is not None else self.lease_seconds / 3
+        started = task.claimed_at or time.monotonic()
+        # Local monotonic time by which the lease has surely run out, unless renewed.
+        self._deadline = started + self.lease_seconds
+        self._next_beat = started + self.interval
+        self._lost = threading.Event()
+        self._stopping = threading.Event()
+        self._finished = False
+        self._started = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"taskboard-lease-{task.id}", daemon=True
+        )
+
+    def start(self) -> Self:
+        """Start the heartbeat thread (once; later calls do nothing)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return self
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be lost."""
+        return self._lost.is_set()
+
+    @property
+    def finished(self) -> bool:
+        """True once complete, fail, release or escalate was called (or tried)."""
+        return self._finished
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost or ``timeout`` passes; return :attr:`lost`."""
+        return self._lost.wait(timeout)
+
+    def stop(self) -> None:
+        """Stop heartbeating (without touching the task) and wait for the thread to end."""
+        self._stopping.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def heartbeat(self, progress: Any = None) -> Task:
+        """Heartbeat now, reporting ``progress`` (any JSON value)."""
+        sent = time.monotonic()
+        try:
+            task = self.client.heartbeat(self.task, progress=progress)
+        except LeaseLost as exc:
+            self._lose(exc, notify=False)
+            raise
+        self._renewed(task, sent)
+        return task
+
+    def complete(self, result: Any = None) -> Task:
+        """Stop heartbeating and complete the task with ``result``."""
+        return self._finish(lambda: self.client.complete(self.task, result=result))
+
+    def fail(self, error: str, *, retry_after: int | None = None) -> Task:
+        """Stop heartbeating and fail the task (a strike) with ``error``."""
+        return self._finish(lambda: self.client.fail(self.task, error, retry_after=retry_after))
+
+    def release(self) -> Task:
+        """Stop heartbeating and give the task back without a strike."""
+        return self._finish(lambda: self.client.release(self.task))
+
+    def escalate(self, reason: str) -> Task:
+        """Stop heartbeating and hand the task to the humans."""
+        return self._finish(lambda: self.client.escalate(self.task, reason))
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._finished or self.lost or isinstance(exc, LeaseLost):
+                return
+            try:
+                if exc is None or not isinstance(exc, Exception):
+                    self.release()
+                else:
+                    self.fail(f"{type(exc).__name__}: {exc}"[:10000])
+            except TaskboardError as error:
+                # Do not hide the block's own exception behind this one.
+                if exc is None:
+                    raise
+                logger.warning("task %s: could not give it back: %s", self.task.id, error)
+        finally:
+            self.stop()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _finish(self, call: Callable[[], Task]) -> Task:
+        # Heartbeats stop first; one already in flight is harmless, and a refusal it gets
+        # after this point is not a loss (see _run).
+        self._finished = True
+        self._stopping.set()
+        try:
+            task = call()
+        except LeaseLost as exc:
+            self._lose(exc, notify=False)
+            raise
+        self.latest = task
+        return task
+
+    def _renewed(self, task: Task, sent: float) -> None:
+        self.latest = task
+        # The server set leased_until = (its now) + lease, and its now came after ``sent``.
+        self._deadline = max(self._deadline, sent + self.lease_seconds)
+        self._next_beat = sent + self.interval
+
+    def _lose(self, error: TaskboardError, *, notify: bool = True) -> None:
+        if self._lost.is_set():
+            return
+        self.error = error
+        self._lost.set()
+        if notify and self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                logger.exception("task %s: the on_lost callback failed", self.task.id)
+
+    def _run(self) -> None:
+        pause = 0.25
+        while True:
+            now = time.monotonic()
+            if now >= self._deadline:
+                self._lose(LeaseLost("The lease ran out before a heartbeat got through."))
+                return
+            if self._stopping.wait(min(self._next_beat, self._deadline) - now):
+                return
+            now = time.monotonic()
+            if now < self._next_beat:
+                continue  # woke for the deadline check
+            if now >= self._deadline:
+                continue
+            try:
+                # No retries inside: this loop retries, and must notice the deadline.
+                task = self.client.heartbeat(
+                    self.task, timeout=max(0.5, self._deadline - now), retries=0
+                )
+            except Unavailable as exc:
+                if self._stopping.is_set():
+                    return
+                logger.warning("task %s: heartbeat failed (%s); retrying", self.task.id, exc)
+                self._next_beat = time.monotonic() + min(pause, self.interval)
+                pause = min(pause * 2, 5.0)
+                continue
+            except TaskboardError as exc:
+                if not self._stopping.is_set():
+                    self._lose(exc)
+                return
+            pause = 0.25
+            if self._stopping.is_set():
+                return
+            self._renewed(task, now)

@@ -1,0 +1,559 @@
+"""``taskboard work``: claim tasks and run a command for each, keeping its lease alive.
+
+For each claimed task the command runs once, with the task's JSON on stdin and
+``TASKBOARD_TASK_ID``, ``TASKBOARD_TASK_QUEUE``, ``TASKBOARD_TASK_TITLE``,
+``TASKBOARD_LEASE_TOKEN``, ``TASKBOARD_URL``, ``TASKBOARD_TOKEN`` and ``TASKBOARD_ATTEMPT``
+(1 on the first try) in its environment. While it runs, a thread heartbeats the lease.
+
+- Exit status 0: the task is completed with the command's stdout as its result (the JSON
+  value when stdout parses as JSON, else the text; null when it is empty).
+- Any other exit: the task fails (a strike) with the exit status and the tail of stderr.
+- The lease is lost (it ran out, and another agent claimed the task): the command is
+  stopped at once (SIGTERM, then SIGKILL), and nothing is reported; the task is not ours.
+- SIGINT or SIGTERM to the worker: it stops claiming, lets running commands finish for up
+  to ``grace`` seconds, then stops the rest and releases their tasks (no strike). A second
+  signal skips the rest of the grace period.
+
+Each command runs in a session of its own, so a Ctrl-C at the terminal reaches the worker
+only, and stopping a command stops the processes it started.
+
+No Django here: this runs on any machine with the client installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TextIO
+
+from taskboard.client import (
+    AuthenticationError,
+    ClaimedTask,
+    Client,
+    Lease,
+    LeaseLost,
+    PayloadTooLarge,
+    PermissionDenied,
+    TaskboardError,
+    ValidationError,
+)
+
+# What of a failed command's stderr goes into the task's last_error.
+STDERR_TAIL_CHARS = 4000
+# The server refuses bodies over 1 MiB: a larger stdout cannot be a result.
+MAX_STDOUT_BYTES = 1024 * 1024
+# Why a command was stopped.
+LEASE_LOST = "lease lost"
+SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How ``taskboard work`` claims and runs (see ``taskboard work --help``)."""
+
+    command: list[str]
+    url: str
+    token: str | None = None
+    queues: list[str] | None = None
+    concurrency: int = 1
+    lease_seconds: int | None = None
+    wait: float = 30.0
+    grace: float = 30.0
+    kill_grace: float = 5.0
+
+
+class Display:
+    """What the worker tells the person watching it.
+
+    On a terminal: a status line, rewritten in place, with log lines scrolling above it.
+    Elsewhere (a file, a pipe, a service manager): plain timestamped log lines.
+    """
+
+    def __init__(self, out: TextIO | None = None, *, live: bool | None = None) -> None:
+        self.out = out or sys.stdout
+        self.live = self.out.isatty() if live is None else live
+        self._status = ""
+        self._lock = threading.Lock()
+
+    def log(self, message: str) -> None:
+        with self._lock:
+            if self.live:
+                stamp = datetime.now().strftime("%H:%M:%S")
+                self.out.write(f"\r\x1b[K{stamp} {message}\n{self._fit(self._status)}")
+            else:
+                stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+                self.out.write(f"{stamp} {message}\n")
+            self.out.flush()
+
+    def status(self, text: str) -> None:
+        """Show ``text`` as the status line (on a terminal; elsewhere, nothing)."""
+        if not self.live:
+            return
+        with self._lock:
+            if text != self._status:
+                self._status = text
+                self.out.write(f"\r\x1b[K{self._fit(text)}")
+                self.out.flush()
+
+    def close(self) -> None:
+        """Take the status line away; log lines still work."""
+        if self.live:
+            with self._lock:
+                self._status = ""
+                self.out.write("\r\x1b[K")
+                self.out.flush()
+
+    @staticmethod
+    def _fit(text: str) -> str:
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+        return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+class Output:
+    """Feed a command its stdin; collect its stdout and the tail of its stderr.
+
+    Each stream has a thread, so that a command that writes much to one while we wait on
+    the other never blocks.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], stdin: bytes) -> None:
+        self.proc = proc
+        self.stdout = bytearray()
+        self.stdout_overflow = False
+        self._stderr = bytearray()
+        self._threads = [
+            threading.Thread(target=self._feed, args=(stdin,), daemon=True),
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def wait(self, timeout: float = 5.0) -> None:
+        """Wait for the streams to close (a background child may hold them open)."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def stderr_tail(self) -> str:
+        text = bytes(self._stderr).decode("utf-8", errors="replace")
+        return _storable(text[-STDERR_TAIL_CHARS:])
+
+    def _feed(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.close()
+        except OSError:
+            pass  # the command does not read its stdin, or exited already
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            if len(self.stdout) + len(chunk) > MAX_STDOUT_BYTES:
+                self.stdout_overflow = True
+            else:
+                self.stdout += chunk
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        keep = STDERR_TAIL_CHARS * 4  # UTF-8: at most 4 bytes a character
+        while chunk := os.read(fd, 65536):
+            self._stderr += chunk
+            if len(self._stderr) > 2 * keep:
+                del self._stderr[:-keep]
+
+
+def _storable(text: str) -> str:
+    # PostgreSQL cannot store NUL characters in text or jsonb.
+    return text.replace("\x00", "\ufffd")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_result(stdout: bytes) -> Any:
+    """Return a command's result: its stdout as JSON if it parses, else as text.
+
+    Empty (or blank) output is None; text loses its trailing newlines.
+    """
+    text = _storable(stdout.decode("utf-8", errors="replace"))
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except ValueError:
+        return text.rstrip("\r\n")
+
+
+def failure_message(returncode: int, stderr_tail: str) -> str:
+    """Return the ``error`` for a command that exited with ``returncode``."""
+    if returncode < 0:
+        try:
+            head = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            head = f"killed by signal {-returncode}"
+    else:
+        head = f"exit status {returncode}"
+    if not stderr_tail.strip():
+        return f"{head} (no stderr)"
+    return f"{head}; stderr:\n{stderr_tail}"
+
+
+def _gist(error: str) -> str:
+    # The head of the message and the last line of stderr, for one log line.
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    head = lines[0].removesuffix("; stderr:") if lines else "failed"
+    last = lines[-1] if len(lines) > 1 else ""
+    gist = f"{head}: {last}" if last else head
+    return gist if len(gist) <= 160 else gist[:159] + "…"
+
+
+class Run:
+    """One claimed task and the command running for it."""
+
+    def __init__(self, task: ClaimedTask, kill_grace: float) -> None:
+        self.task = task
+        self.kill_grace = kill_grace
+        self.started = time.monotonic()
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: Why the command was stopped (LEASE_LOST or SHUTDOWN), or None.
+        self.stopped_for: str | None = None
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def launch(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """Start the command, unless the run was stopped before it could start."""
+        with self._lock:
+            if self.stopped_for is not None:
+                return None
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+            return self.proc
+
+    def stop(self, reason: str) -> None:
+        """Stop the command: SIGTERM to its process group, SIGKILL after ``kill_grace``."""
+        with self._lock:
+            proc = self.proc
+            if proc is not None and proc.poll() is not None:
+                return  # it ended by itself: its outcome stands
+            if self.stopped_for is None:
+                self.stopped_for = reason
+        if proc is None:
+            return
+        self._signal(proc, signal.SIGTERM)
+        timer = threading.Timer(self.kill_grace, self._kill, args=(proc,))
+        timer.daemon = True
+        timer.start()
+
+    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            self._signal(proc, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+        try:
+            os.killpg(proc.pid, signum)  # the command was started as a group leader
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            proc.send_signal(signum)
+
+
+class Worker:
+    """Claim tasks and run ``options.command`` for each, up to ``concurrency`` at once."""
+
+    def __init__(
+        self, client: Client, options: WorkerOptions, display: Display | None = None
+    ) -> None:
+        self.client = client
+        self.options = options
+        self.display = display or Display()
+        self.done = self.failed = self.lost = self.released = 0
+        self._runs: dict[int, Run] = {}
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._signals = 0
+        self._fatal: TaskboardError | None = None
+        self._waiting = False
+
+    # -- the main thread -----------------------------------------------------------------
+
+    def run(self) -> int:
+        """Work until a signal (or a fatal refusal); return the process exit status."""
+        previous = self._install_signal_handlers()
+        queues = ", ".join(self.options.queues) if self.options.queues else "every queue"
+        self.display.log(
+            f"working on {queues}, up to {self.options.concurrency} at once, "
+            f"at {self.options.url}: {' '.join(self.options.command)}"
+        )
+        claimer = threading.Thread(target=self._claim_loop, name="taskboard-claims", daemon=True)
+        claimer.start()
+        try:
+            # Signal handlers only set a counter: they may run while this thread holds a
+            # lock, so everything else happens here, on the next tick.
+            while not self._signals and self._fatal is None:
+                time.sleep(0.1)
+                self._show()
+            self._shut_down()
+        finally:
+            self.display.close()
+            self._restore_signal_handlers(previous)
+        self.display.log(
+            f"stopped: {self.done} done, {self.failed} failed, "
+            f"{self.released} released, {self.lost} lost"
+        )
+        return 1 if self._fatal is not None else 0
+
+    def request_stop(self) -> None:
+        """Ask the worker to stop, as SIGTERM does (from any thread)."""
+        self._signals += 1
+
+    def _shut_down(self) -> None:
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+            runs = list(self._runs.values())
+        grace_ends = time.monotonic() + self.options.grace
+        if runs:
+            self.display.log(
+                f"stopping: letting {len(runs)} running command(s) finish "
+                f"(up to {self.options.grace:g} s; signal again to stop them now)"
+            )
+        signals, why = self._signals, "grace period over"
+        while self._running() and time.monotonic() < grace_ends:
+            if self._signals > signals or self._signals >= 2:
+                why = "signalled again"
+                break
+            time.sleep(0.1)
+            self._show(f"stopping, {max(0.0, grace_ends - time.monotonic()):.0f} s of grace left")
+        with self._changed:
+            runs = list(self._runs.values())
+        for run in runs:
+            self.display.log(f"task {run.task.id}: stopping its command ({why})")
+            run.stop(SHUTDOWN)
+        for run in runs:
+            if run.thread is not None:
+                run.thread.join()
+        # A claim may still be waiting for work. It is not waited for: when this process
+        # exits its connection closes, and the server stops waiting without claiming.
+
+    def _running(self) -> bool:
+        with self._changed:
+            return bool(self._runs)
+
+    def _show(self, state: str | None = None) -> None:
+        now = time.monotonic()
+        with self._changed:
+            runs = sorted(self._runs.values(), key=lambda run: run.task.id)
+        if state is None:
+            state = "waiting for work" if self._waiting else "busy"
+        running = " ".join(f"#{run.task.id} {now - run.started:.0f}s" for run in runs)
+        self.display.status(
+            f"{len(runs)} running{': ' + running if running else ''} | {self.done} done | "
+            f"{self.failed} failed | {state}"
+        )
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+
+    # -- claiming ------------------------------------------------------------------------
+
+    def _claim_loop(self) -> None:
+        pause = 1.0
+        while True:
+            with self._changed:
+                while len(self._runs) >= self.options.concurrency and not self._stopping.is_set():
+                    self._changed.wait()
+                if self._stopping.is_set():
+                    return
+                free = self.options.concurrency - len(self._runs)
+            self._waiting = True
+            try:
+                tasks = self.client.claim(
+                    queues=self.options.queues,
+                    limit=free,
+                    lease_seconds=self.options.lease_seconds,
+                    wait=self.options.wait,
+                )
+            except (AuthenticationError, PermissionDenied, ValidationError) as exc:
+                self.display.log(f"cannot claim: {exc}")
+                self._fatal = exc
+                return
+            except TaskboardError as exc:
+                self.display.log(f"claim failed: {exc}; trying again in {pause:.0f} s")
+                self._stopping.wait(pause)
+                pause = min(pause * 2, 30.0)
+                continue
+            finally:
+                self._waiting = False
+            pause = 1.0
+            if not tasks and self.options.wait < 1:
+                self._stopping.wait(1.0)  # the server did not wait: do not spin
+            for task in tasks:
+                self._start(task)
+
+    def _start(self, task: ClaimedTask) -> None:
+        with self._changed:
+            if not self._stopping.is_set():
+                run = Run(task, self.options.kill_grace)
+                run.thread = threading.Thread(
+                    target=self._work, args=(run,), name=f"taskboard-task-{task.id}", daemon=True
+                )
+                self._runs[task.id] = run
+                run.thread.start()
+                return
+        # Claimed while stopping: give it straight back.
+        try:
+            self.client.release(task)
+            self.display.log(f"task {task.id}: released (stopping)")
+        except TaskboardError as exc:
+            self.display.log(f"task {task.id}: could not release it: {exc}")
+
+    # -- running a task ------------------------------------------------------------------
+
+    def _work(self, run: Run) -> None:
+        task = run.task
+
+        def lease_lost(lease: Lease) -> None:
+            self.display.log(f"task {task.id}: lease lost ({lease.error}); stopping its command")
+            run.stop(LEASE_LOST)
+
+        lease = self.client.lease(task, on_lost=lease_lost)
+        outcome = "lost"
+        try:
+            self.display.log(
+                f"task {task.id}: started (queue {task.queue}, attempt "
+                f"{task.failure_count + 1}): {task.title}"
+            )
+            outcome = self._execute(run, lease)
+        except Exception as exc:  # a bug here must not leave the worker waiting forever
+            self.display.log(f"task {task.id}: worker error: {exc!r}")
+            outcome = "failed"
+        finally:
+            lease.stop()
+            with self._changed:
+                self._runs.pop(task.id, None)
+                if outcome == "done":
+                    self.done += 1
+                elif outcome == "failed":
+                    self.failed += 1
+                elif outcome == "released":
+                    self.released += 1
+                else:
+                    self.lost += 1
+                self._changed.notify_all()
+
+    def _execute(self, run: Run, lease: Lease) -> str:
+        """Run the command for ``run.task``; report its outcome; return what happened."""
+        task = run.task
+        try:
+            proc = run.launch(self.options.command, self._environment(task))
+        except OSError as exc:
+            return self._report(
+                lease, "failed", error=f"cannot run {self.options.command[0]!r}: {exc}"
+            )
+        if proc is None:
+            return "lost"
+        raw = {key: value for key, value in task.raw.items() if key != "lease_token"}
+        output = Output(proc, json.dumps(raw).encode())
+        returncode = proc.wait()
+        output.wait()
+        elapsed = time.monotonic() - run.started
+
+        if run.stopped_for == LEASE_LOST or lease.lost:
+            self.display.log(f"task {task.id}: command stopped after the lease was lost")
+            return "lost"
+        if run.stopped_for == SHUTDOWN:
+            return self._report(lease, "released")
+        if returncode != 0:
+            error = failure_message(returncode, output.stderr_tail)
+            return self._report(lease, "failed", error=error, elapsed=elapsed)
+        if output.stdout_overflow:
+            error = f"exit status 0, but stdout is over {MAX_STDOUT_BYTES} bytes"
+            return self._report(lease, "failed", error=error, elapsed=elapsed)
+        return self._report(
+            lease, "done", result=parse_result(bytes(output.stdout)), elapsed=elapsed
+        )
+
+    def _report(
+        self,
+        lease: Lease,
+        outcome: str,
+        *,
+        result: Any = None,
+        error: str = "",
+        elapsed: float | None = None,
+    ) -> str:
+        """Complete, fail or release the task; return the outcome that took effect."""
+        task_id = lease.task.id
+        took = f" in {elapsed:.1f} s" if elapsed is not None else ""
+        try:
+            if outcome == "done":
+                try:
+                    lease.complete(result)
+                except (ValidationError, PayloadTooLarge) as exc:
+                    # The lease is still ours: a result the server refuses is a failure.
+                    error = f"exit status 0, but the result was refused: {exc}"
+                    lease.fail(error)
+                    self.display.log(f"task {task_id}: failed{took}: {error}")
+                    return "failed"
+                self.display.log(f"task {task_id}: done{took}")
+            elif outcome == "failed":
+                after = lease.fail(error[:10000])
+                self.display.log(f"task {task_id}: failed{took}: {_gist(error)}; {after.status}")
+            else:
+                lease.release()
+                self.display.log(f"task {task_id}: released")
+        except LeaseLost:
+            self.display.log(f"task {task_id}: lease lost before it could be reported")
+            return "lost"
+        except TaskboardError as exc:
+            self.display.log(f"task {task_id}: could not report it: {exc}")
+            return "lost"
+        return outcome
+
+    def _environment(self, task: ClaimedTask) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            TASKBOARD_TASK_ID=str(task.id),
+            TASKBOARD_TASK_QUEUE=task.queue,
+            TASKBOARD_TASK_TITLE=task.title,
+            TASKBOARD_LEASE_TOKEN=task.lease_token,
+            TASKBOARD_URL=self.options.url,
+            TASKBOARD_ATTEMPT=str(task.failure_count + 1),
+        )
+        if self.options.token:
+            env["TASKBOARD_TOKEN"] = self.options.token
+        return env

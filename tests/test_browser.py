@@ -1,0 +1,430 @@
+"""The board in a real browser: headless Chromium driven by Playwright, against a real
+uvicorn server (tests/live.py) on the test database.
+
+Agents act as they do in production, through board.transitions or the REST API with a
+token; people act through the pages. Each test checks what a person sees, and what the
+database recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection, connections, transaction
+from django.utils import timezone
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from board import transitions
+from board.models import Task, TaskEvent
+from tests.factories import TokenFactory, UserFactory
+from tests.live import LiveServer, live_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+PASSWORD = "secret-password"
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason=f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run installs it)",
+    ),
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    """Start Chromium for one test.
+
+    Playwright's sync API keeps its event loop marked as running in this thread between
+    calls. Django then takes the thread for an async context: it refuses the ORM unless
+    DJANGO_ALLOW_ASYNC_UNSAFE is set, and hands out connections of their own (per context,
+    not per thread), closed here. The browser is set up after the test database and torn
+    down before it, so the database's own teardown runs outside that loop.
+    """
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(
+                executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+            )
+            try:
+                yield chromium
+            finally:
+                chromium.close()
+                connections.close_all()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+@pytest.fixture
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture
+def new_page(browser: Browser, server: LiveServer) -> Iterator[Callable[[], Page]]:
+    """Return a function that opens a page in one browser context (one set of cookies).
+
+    A script error on any page fails the test.
+    """
+    context = browser.new_context(base_url=server.url, viewport={"width": 1366, "height": 850})
+    context.set_default_timeout(5000)
+    errors: list[str] = []
+
+    def open_page() -> Page:
+        page = context.new_page()
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        return page
+
+    yield open_page
+    context.close()
+    assert errors == [], "the page's script failed"
+
+
+@pytest.fixture
+def page(new_page: Callable[[], Page]) -> Page:
+    return new_page()
+
+
+@pytest.fixture
+def person(fast_password_hashing: None) -> Any:
+    return UserFactory(username="pat", password=PASSWORD)
+
+
+def log_in(page: Page, user: Any) -> None:
+    """Log in through the login form, as a person would, and wait for the live board."""
+    page.goto("/")
+    expect(page).to_have_url(re.compile(r"/accounts/login/\?next=/$"))
+    page.get_by_label("Username").fill(user.username)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page).to_have_url(re.compile(r"/$"))
+    wait_until_live(page)
+
+
+def wait_until_live(page: Page) -> None:
+    expect(page.locator(".live")).to_have_attribute("data-stream", "live")
+
+
+def card(page: Page, column: str, task_id: int) -> Any:
+    return page.locator(f'[data-column="{column}"] .card[data-task-id="{task_id}"]')
+
+
+def count(page: Page, status: str) -> Any:
+    return page.locator(f'.counts [data-count="{status}"]')
+
+
+def history(task_id: int) -> list[tuple[str, str]]:
+    return list(
+        TaskEvent.objects.filter(task_id=task_id).order_by("id").values_list("type", "actor")
+    )
+
+
+def test_the_board_shows_a_task_an_agent_claims_within_a_second_without_a_reload(
+    server: LiveServer, page: Page, person: Any, agent: Any
+) -> None:
+    log_in(page, person)
+    navigations: list[str] = []
+    page.on("framenavigated", lambda frame: navigations.append(frame.url))
+    page.evaluate("window.boardMarker = 'the same page'")
+    api = httpx.Client(
+        base_url=f"{server.url}/api/v1",
+        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+    )
+
+    created = api.post("/tasks/", json={"title": "Resize images", "queue": "images"}).json()
+    expect(card(page, "pending", created["id"])).to_contain_text("Resize images")
+    claimed = api.post("/tasks/claim/", json={"queues": ["images"], "lease_seconds": 60})
+    started = time.monotonic()
+    assert claimed.json()["tasks"][0]["id"] == created["id"]
+
+    in_progress = card(page, "in_progress", created["id"])
+    expect(in_progress).to_contain_text(agent.username, timeout=1000)
+    elapsed = time.monotonic() - started
+
+    assert elapsed < 1.0
+    expect(in_progress).to_contain_text("Resize images")
+    expect(in_progress.locator(".lease")).to_have_text(re.compile(r"^[01]:\d\d left$"))
+    expect(card(page, "pending", created["id"])).to_have_count(0)
+    expect(count(page, "in_progress")).to_have_text("1")
+    expect(count(page, "pending")).to_have_text("0")
+    assert page.evaluate("window.boardMarker") == "the same page"
+    assert navigations == [], "the board never reloaded"
+    api.close()
+
+
+def test_a_person_creates_a_task_on_the_board_then_claims_and_completes_it(
+    page: Page, person: Any
+) -> None:
+    log_in(page, person)
+
+    page.get_by_role("button", name="New task").click()
+    form = page.locator("#new-task-form")
+    form.get_by_label("Title").fill("Write the release notes")
+    form.get_by_label("Queue").fill("docs")
+    form.get_by_label("Priority").fill("3")
+    form.get_by_label("Description").fill("For 1.2, from the changelog.")
+    form.get_by_label("Payload").fill('{"version": "1.2"}')
+    form.get_by_role("button", name="Create task").click()
+
+    pending = page.locator('[data-column="pending"] .card', has_text="Write the release notes")
+    expect(pending).to_be_visible()
+    expect(count(page, "pending")).to_have_text("1")
+    task = Task.objects.get(title="Write the release notes")
+    assert (task.queue, task.priority, task.payload) == ("docs", 3, {"version": "1.2"})
+    assert (task.description, task.created_by_id) == ("For 1.2, from the changelog.", "pat")
+    expect(pending).to_contain_text("docs")
+
+    page.get_by_role("button", name="Claim next").click()
+
+    mine = card(page, "in_progress", task.id)
+    expect(mine).to_contain_text("pat")
+    expect(mine).to_have_class(re.compile(r"\bmine\b"))
+    mine.get_by_role("button", name="Complete").click()
+
+    done = card(page, "finished", task.id)
+    expect(done).to_contain_text("done")
+    expect(count(page, "done")).to_have_text("1")
+    expect(count(page, "in_progress")).to_have_text("0")
+    expect(count(page, "pending")).to_have_text("0")
+    assert Task.objects.get(pk=task.id).status == "done"
+    assert history(task.id) == [("created", "pat"), ("claimed", "pat"), ("completed", "pat")]
+    assert page.evaluate("Object.keys(sessionStorage)") == [], "the lease token is dropped"
+
+
+def test_a_person_releases_a_task_and_fails_it_with_an_error_text(
+    page: Page, person: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Import prices", max_failures=3)
+    log_in(page, person)
+
+    page.get_by_role("button", name="Claim next").click()
+    card(page, "in_progress", task.id).get_by_role("button", name="Release").click()
+    expect(card(page, "pending", task.id)).to_be_visible()
+
+    page.get_by_role("button", name="Claim next").click()
+    mine = card(page, "in_progress", task.id)
+    mine.get_by_role("button", name="Fail…").click()
+    mine.get_by_label("Error").fill("the supplier's file is empty")
+    mine.get_by_role("button", name="Fail task").click()
+
+    back = card(page, "pending", task.id)
+    expect(back).to_contain_text("the supplier's file is empty")
+    expect(back).to_contain_text("1/3 strikes")
+    assert history(task.id) == [
+        ("created", "agent-smith"),
+        ("claimed", "pat"),
+        ("released", "pat"),
+        ("claimed", "pat"),
+        ("failed", "pat"),
+    ]
+    assert Task.objects.get(pk=task.id).last_error == "the supplier's file is empty"
+
+
+def test_an_event_the_board_already_counts_is_not_counted_again_when_the_stream_sends_it(
+    page: Page,
+    person: Any,
+    agent: Any,
+    make_task: Callable[..., Task],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transaction left open holds the stream's stable prefix back: a task created after
+    it began is in the page's counts, and the stream will still send its "created" event.
+    (The column shows one card, so the page cannot tell from its cards.)"""
+    monkeypatch.setattr("board.views.OPEN_COLUMN_LIMIT", 1)
+    make_task(title="Urgent", priority=10)
+    inserted, release = threading.Event(), threading.Event()
+
+    def open_transaction() -> None:
+        try:
+            with transaction.atomic():
+                transitions.create(actor=agent, title="Committed last")
+                inserted.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=open_transaction)
+    thread.start()
+    try:
+        assert inserted.wait(10)
+        transitions.create(actor=agent, title="Counted, not drawn")
+        log_in(page, person)
+        expect(count(page, "pending")).to_have_text("2")
+        expect(page.locator('[data-column="pending"] [data-more]')).to_have_text("1 more not shown")
+    finally:
+        release.set()
+        thread.join(10)
+    sentinel = transitions.create(actor=agent, title="After everything")
+
+    # The stream is in order: once the last event is on the page, so are those before it.
+    expect(card(page, "pending", sentinel.id)).to_be_visible()
+    expect(count(page, "pending")).to_have_text("4")
+
+
+def test_a_task_the_board_did_not_draw_is_fetched_and_counted_when_it_comes_back(
+    page: Page,
+    person: Any,
+    agent: Any,
+    staff: Any,
+    make_task: Callable[..., Task],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("board.views.FINISHED_LIMIT", 1)
+    older, newer = make_task(title="Older export"), make_task(title="Newer export")
+    for task in (older, newer):
+        transitions.cancel(task_id=task.id, actor=staff)
+    log_in(page, person)
+    expect(page.locator('[data-column="finished"] .card')).to_have_count(1)
+    expect(count(page, "cancelled")).to_have_text("2")
+
+    transitions.requeue(task_id=older.id, actor=staff)
+
+    expect(card(page, "pending", older.id)).to_contain_text("Older export")
+    expect(count(page, "cancelled")).to_have_text("1")
+    expect(count(page, "pending")).to_have_text("1")
+
+
+def test_a_board_filtered_by_queue_ignores_the_other_queues(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    first = make_task(title="Send the invoices", queue="mail")
+    log_in(page, person)
+    page.get_by_label("Filter by queue").select_option("mail")
+    expect(page).to_have_url(re.compile(r"/\?queue=mail$"))
+    wait_until_live(page)
+    expect(page.get_by_role("button", name="Claim next in mail")).to_be_visible()
+    expect(card(page, "pending", first.id)).to_be_visible()
+
+    images = make_task(title="Resize", queue="images")
+    transitions.claim(actor=agent, queues=["images"])
+    mail = make_task(title="Send the digest", queue="mail")
+
+    expect(card(page, "pending", mail.id)).to_contain_text("Send the digest")
+    expect(page.locator(f'.card[data-task-id="{images.id}"]')).to_have_count(0)
+    expect(count(page, "pending")).to_have_text("2")
+    expect(count(page, "in_progress")).to_have_text("0")
+    expect(page.locator("#queue-select option")).to_have_text(["All queues", "images", "mail"])
+
+
+def test_the_lease_countdown_turns_to_stalled_when_the_lease_runs_out(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    log_in(page, person)
+    task = make_task(title="Transcode video")
+
+    transitions.claim(actor=agent, lease_seconds=1)
+
+    in_progress = card(page, "in_progress", task.id)
+    expect(in_progress).to_contain_text(agent.username)
+    expect(in_progress.locator(".lease")).to_have_text("stalled", timeout=3000)
+    expect(in_progress).to_have_class(re.compile(r"\bstalled\b"))
+    assert Task.objects.get(pk=task.id).status == "in_progress", "nothing but a claim expires it"
+
+
+def test_the_open_board_keeps_a_persons_lease_alive_and_says_when_it_is_lost(
+    page: Page, person: Any, make_task: Callable[..., Task], settings: Any
+) -> None:
+    settings.TASKBOARD_LEASE_SECONDS = 3  # a heartbeat every second
+    task = make_task(title="Review the contract")
+    log_in(page, person)
+
+    page.get_by_role("button", name="Claim next").click()
+    expect(card(page, "in_progress", task.id)).to_have_class(re.compile(r"\bmine\b"))
+    time.sleep(4.5)  # longer than the lease
+
+    held = Task.objects.get(pk=task.id)
+    assert held.status == "in_progress" and held.leased_by_id == "pat"
+    assert held.leased_until is not None and held.leased_until > timezone.now()
+    assert TaskEvent.objects.filter(task=task, type="heartbeat", actor="pat").count() >= 2
+
+    # Another holder's token, as if the lease had gone to someone else.
+    page.evaluate(
+        "([key, token]) => sessionStorage.setItem(key, JSON.stringify({token, seconds: 3}))",
+        [f"taskboard.lease.{task.id}", str(uuid.uuid4())],
+    )
+
+    expect(page.get_by_role("alert")).to_contain_text(f"You lost the lease on #{task.id}")
+    expect(card(page, "in_progress", task.id)).to_contain_text("Lease lost")
+
+
+def test_the_task_page_shows_the_timeline_growing_live(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Resize images", payload={"bucket": "in"})
+    log_in(page, person)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+    expect(page.locator("[data-timeline] .event")).to_have_count(1)
+
+    [claim] = transitions.claim(actor=agent, lease_seconds=60)
+    expect(page.locator('[data-field="holder"]')).to_have_text(agent.username)
+    expect(page.locator('[data-field="status"]')).to_have_text("in progress")
+    transitions.complete(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, result={"resized": 12}
+    )
+
+    expect(page.locator('[data-field="status"]')).to_have_text("done")
+    expect(page.locator(".event-type")).to_have_text(["created", "claimed", "completed"])
+    expect(page.locator('[data-field="result"]')).to_contain_text('"resized": 12')
+    expect(page.locator('[data-field="lease-panel"]')).to_be_hidden()
+
+
+def test_the_admin_requeue_action_puts_an_escalated_task_back_on_the_board(
+    new_page: Callable[[], Page], agent: Any, make_task: Callable[..., Task], settings: Any
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    task = make_task(title="Import supplier prices", max_failures=1)
+    [claim] = transitions.claim(actor=agent)
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad CSV")
+    assert Task.objects.get(pk=task.id).status == "escalated"
+
+    triage = new_page()
+    triage.goto("/admin/")
+    triage.get_by_label("Username").fill("root")
+    triage.get_by_label("Password").fill(PASSWORD)
+    triage.get_by_role("button", name="Log in").click()
+    expect(triage).to_have_url(re.compile(r"/admin/$"))
+
+    board = new_page()  # the same browser, so the same session
+    board.goto("/")
+    wait_until_live(board)
+    expect(card(board, "escalated", task.id)).to_contain_text("bad CSV")
+
+    triage.goto("/admin/escalations/escalatedtask/")
+    triage.locator(f'input[name="_selected_action"][value="{task.id}"]').check()
+    triage.locator('select[name="action"]').select_option("requeue")
+    triage.get_by_role("button", name="Go").click()
+    expect(triage.locator(".messagelist")).to_contain_text("Requeued 1 task")
+
+    requeued = Task.objects.get(pk=task.id)
+    assert (requeued.status, requeued.failure_count) == ("pending", 0)
+    assert history(task.id)[-1] == ("requeued", admin.username)
+    expect(card(board, "pending", task.id)).to_be_visible()
+    expect(count(board, "escalated")).to_have_text("0")
+    expect(count(board, "pending")).to_have_text("1")

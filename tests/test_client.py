@@ -1,0 +1,688 @@
+"""taskboard.client against a live server: every endpoint, its errors, the lease helper and
+the stream. Only the retries are tested against a fake transport (a real server cannot be
+made to answer 503 on cue)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from django.db import connection, transaction
+
+import taskboard.client as client_module
+from board import transitions
+from board.models import Task as TaskRow
+from taskboard.client import (
+    AuthenticationError,
+    ClaimedTask,
+    Client,
+    Event,
+    InvalidTransition,
+    Lease,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    Task,
+    TaskboardError,
+    Unavailable,
+    ValidationError,
+)
+from tests.factories import TokenFactory
+from tests.live import LiveServer, free_port, live_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+live = pytest.mark.django_db(transaction=True)
+
+
+def token_of(user: Any) -> str:
+    """Return the API token of ``user`` (made on first use)."""
+    token: Any = TokenFactory(user=user)
+    return str(token.key)
+
+
+@pytest.fixture
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture
+def token(fast_password_hashing: None, agent: Any) -> str:
+    return token_of(agent)
+
+
+@pytest.fixture
+def board(server: LiveServer, token: str) -> Iterator[Client]:
+    with Client(server.url, token) as client:
+        yield client
+
+
+@pytest.fixture
+def other_board(
+    server: LiveServer, fast_password_hashing: None, other_agent: Any
+) -> Iterator[Client]:
+    with Client(server.url, token_of(other_agent)) as client:
+        yield client
+
+
+@pytest.fixture
+def staff_board(server: LiveServer, fast_password_hashing: None, staff: Any) -> Iterator[Client]:
+    with Client(server.url, token_of(staff)) as client:
+        yield client
+
+
+def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.05)
+
+
+def expire_and_claim(task_id: int, actor: Any) -> Any:
+    """Let the lease on ``task_id`` run out and have ``actor`` claim the task, atomically:
+    nothing can take it in between."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE tasks SET leased_until = now() - interval '1 second' WHERE id = %s",
+                [task_id],
+            )
+        [claim] = transitions.claim(actor=actor, queues=[TaskRow.objects.get(id=task_id).queue])
+    assert claim.task.id == task_id
+    return claim
+
+
+# -- Tasks and their transitions ---------------------------------------------------------
+
+
+@live
+def test_it_creates_a_task_and_reads_it_back_typed(board: Client) -> None:
+    due = datetime.now(UTC) + timedelta(hours=1)
+
+    task = board.create(
+        "Resize images",
+        description="all of them",
+        payload={"bucket": "in"},
+        queue="images",
+        priority=5,
+        max_failures=2,
+        run_after=due,
+    )
+
+    assert isinstance(task, Task)
+    assert (task.title, task.description, task.payload) == (
+        "Resize images",
+        "all of them",
+        {"bucket": "in"},
+    )
+    assert (task.queue, task.priority, task.max_failures) == ("images", 5, 2)
+    assert (task.status, task.failure_count, task.created_by) == ("pending", 0, "agent-smith")
+    assert task.leased_by is None and task.leased_until is None and task.result is None
+    assert task.run_after == due
+    assert task.created_at.tzinfo is not None
+    assert abs(task.created_at - datetime.now(UTC)) < timedelta(minutes=1)
+    assert board.get(task.id) == task
+    assert board.get(task) == task
+
+
+@live
+def test_it_lists_tasks_by_filter_and_follows_the_next_pages(board: Client) -> None:
+    images = [board.create(f"image {n}", queue="images").id for n in range(5)]
+    board.create("mail", queue="mail")
+
+    page = board.list_tasks(queue="images", limit=2)
+    assert [t.id for t in page.results] == images[::-1][:2]
+    assert page.next is not None
+
+    assert [t.id for t in board.iter_tasks(queue="images", page_size=2)] == images[::-1]
+    assert len(list(board.iter_tasks())) == 6
+
+    [claimed] = board.claim(queues=["mail"])
+    assert [t.id for t in board.iter_tasks(status="in_progress")] == [claimed.id]
+    assert [t.id for t in board.iter_tasks(leased_by="agent-smith")] == [claimed.id]
+    assert list(board.iter_tasks(leased_by="nobody")) == []
+
+
+@live
+def test_a_claim_carries_the_lease_token_and_the_holder_heartbeats_and_completes(
+    board: Client,
+) -> None:
+    created = board.create("work", queue="q", payload={"n": 1})
+
+    [task] = board.claim(queues=["q"], lease_seconds=30)
+
+    assert isinstance(task, ClaimedTask)
+    assert task.id == created.id
+    assert task.lease_token
+    assert task.lease_token not in repr(task)
+    assert task.status == "in_progress" and task.leased_by == "agent-smith"
+    assert task.lease_seconds == 30
+    assert task.leased_until is not None
+
+    beaten = board.heartbeat(task, lease_seconds=120, progress={"done": 40})
+    assert beaten.leased_until is not None
+    assert beaten.leased_until > task.leased_until + timedelta(seconds=60)
+    [heartbeat] = board.events(task=task, type="heartbeat").results
+    assert heartbeat.payload["progress"] == {"done": 40}
+
+    done = board.complete(task, result={"resized": 12})
+    assert (done.status, done.result, done.leased_by) == ("done", {"resized": 12}, None)
+    assert board.claim(queues=["q"]) == []
+
+
+@live
+def test_the_holder_fails_releases_and_escalates_its_tasks(board: Client) -> None:
+    for title in ("to fail", "to release", "to escalate"):
+        board.create(title, queue="q", max_failures=3)
+    to_fail, to_release, to_escalate = sorted(
+        board.claim(queues=["q"], limit=3), key=lambda t: t.id
+    )
+
+    failed = board.fail(to_fail, "bucket not found", retry_after=60)
+    assert (failed.status, failed.failure_count, failed.last_error) == (
+        "pending",
+        1,
+        "bucket not found",
+    )
+    assert failed.run_after is not None and failed.run_after > datetime.now(UTC)
+
+    released = board.release(to_release.id, lease_token=to_release.lease_token)
+    assert (released.status, released.failure_count) == ("pending", 0)
+
+    escalated = board.escalate(to_escalate, "needs a human")
+    assert (escalated.status, escalated.last_error) == ("escalated", "needs a human")
+
+
+@live
+def test_staff_requeue_resolve_and_cancel_and_agents_may_not(
+    board: Client, staff_board: Client
+) -> None:
+    a, b, c = (board.create(title, queue="q") for title in ("a", "b", "c"))
+    for task in board.claim(queues=["q"], limit=2):
+        board.escalate(task, "stuck")
+
+    with pytest.raises(PermissionDenied) as refused:
+        board.requeue(a)
+    assert (refused.value.status, refused.value.code) == (403, "permission_denied")
+
+    assert staff_board.requeue(a, note="try again").status == "pending"
+    resolved = staff_board.resolve(b, note="done by hand", result={"by": "hand"})
+    assert (resolved.status, resolved.result) == ("done", {"by": "hand"})
+    assert staff_board.cancel(c, note="not needed").status == "cancelled"
+
+    with pytest.raises(InvalidTransition) as invalid:
+        staff_board.resolve(a)
+    assert (invalid.value.status, invalid.value.code, invalid.value.task_status) == (
+        409,
+        "invalid_transition",
+        "pending",
+    )
+
+
+@live
+def test_a_stale_lease_token_raises_lease_lost(board: Client, other_board: Client) -> None:
+    board.create("contested", queue="q")
+    [task] = board.claim(queues=["q"])
+
+    with pytest.raises(LeaseLost) as wrong_token:
+        board.heartbeat(task.id, lease_token="not-the-token")
+    assert (wrong_token.value.status, wrong_token.value.code) == (409, "lease_lost")
+
+    with pytest.raises(LeaseLost):
+        other_board.complete(task)  # the right token, but another agent
+
+    board.complete(task)
+    with pytest.raises(LeaseLost) as finished:
+        board.heartbeat(task)
+    assert finished.value.task_status == "done"
+    with pytest.raises(LeaseLost):
+        board.fail(task, "too late")
+
+
+@live
+def test_an_invalid_request_raises_validation_error_with_its_fields(board: Client) -> None:
+    with pytest.raises(ValidationError) as refused:
+        board.create("", priority=5000, queue="Not A Queue")
+
+    error = refused.value
+    assert (error.status, error.code) == (400, "invalid")
+    assert set(error.fields) == {"title", "priority", "queue"}
+    assert all(error.fields[name] for name in error.fields)
+    assert "title" in str(error)
+
+    with pytest.raises(ValidationError) as bad_wait:
+        board.claim(wait=61)
+    assert "wait" in bad_wait.value.fields
+
+
+@live
+def test_a_body_over_the_limit_raises_payload_too_large(board: Client) -> None:
+    with pytest.raises(PayloadTooLarge) as refused:
+        board.create("big", payload={"blob": "x" * (1024 * 1024)})
+    assert refused.value.status == 413
+
+
+@live
+def test_a_bad_token_raises_authentication_error(server: LiveServer) -> None:
+    with Client(server.url, "not-a-token") as stranger:
+        with pytest.raises(AuthenticationError) as refused:
+            stranger.list_tasks()
+        assert refused.value.status == 401
+        with pytest.raises(AuthenticationError):
+            next(stranger.stream())
+    with Client(server.url, None) as anonymous, pytest.raises(AuthenticationError):
+        anonymous.claim()
+
+
+@live
+def test_an_unknown_task_raises_not_found(board: Client) -> None:
+    with pytest.raises(NotFound) as missing:
+        board.get(999999)
+    assert (missing.value.status, missing.value.code) == (404, "not_found")
+    with pytest.raises(NotFound):
+        board.heartbeat(999999, lease_token="x")
+    with pytest.raises(NotFound):
+        board.task_events(999999)
+
+
+@live
+def test_events_are_read_by_page_filter_and_task(board: Client) -> None:
+    first = board.create("first", queue="q")
+    second = board.create("second", queue="q")
+    [claimed] = board.claim(queues=["q"])
+    board.complete(claimed, result=1)
+
+    log = list(board.iter_events(page_size=2))
+    assert [(e.task_id, e.type) for e in log] == [
+        (first.id, "created"),
+        (second.id, "created"),
+        (first.id, "claimed"),
+        (first.id, "completed"),
+    ]
+    assert all(isinstance(e, Event) and e.created_at.tzinfo for e in log)
+    assert log[0].payload["title"] == "first"
+    assert log[-1].actor == "agent-smith" and log[-1].status == "done"
+
+    page = board.events(after=log[0].id, limit=2)
+    assert [e.id for e in page.results] == [log[1].id, log[2].id]
+    assert page.next is not None
+    assert [e.id for e in board.events(type="created").results] == [log[0].id, log[1].id]
+    assert [e.type for e in board.events(task=first).results] == ["created", "claimed", "completed"]
+
+    assert [e.type for e in board.task_events(first).results] == ["created", "claimed", "completed"]
+    assert [e.type for e in board.task_events(first, after=log[2].id).results] == ["completed"]
+    assert [e.id for e in board.iter_task_events(first.id, page_size=1)] == [
+        log[0].id,
+        log[2].id,
+        log[3].id,
+    ]
+
+
+@live
+def test_a_claim_that_waits_gets_a_timeout_longer_than_its_wait(
+    server: LiveServer, token: str, agent: Any
+) -> None:
+    with Client(server.url, token, timeout=0.5) as impatient:
+        started = time.monotonic()
+        assert impatient.claim(queues=["empty"], wait=1.5) == []
+        assert time.monotonic() - started >= 1.4
+
+        threading.Timer(
+            0.5, lambda: transitions.create(actor=agent, title="new", queue="w")
+        ).start()
+        [task] = impatient.claim(queues=["w"], wait=10)
+        assert task.title == "new"
+
+
+# -- The stream --------------------------------------------------------------------------
+
+
+class StreamReader:
+    """Iterate ``client.stream()`` in a thread, collecting what it yields."""
+
+    def __init__(self, client: Client) -> None:
+        self.events: queue.Queue[Event | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(client,), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: Client) -> None:
+        try:
+            for event in client.stream():
+                self.events.put(event)
+        except BaseException as exc:  # closing the client ends the thread
+            self.events.put(exc)
+
+    def get(self, timeout: float = 5.0) -> Event:
+        item = self.events.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@live
+def test_the_stream_yields_events_and_resumes_after_a_dropped_connection(
+    token: str, agent: Any
+) -> None:
+    port = free_port()
+    first = LiveServer(port).start()
+    watcher = Client(first.url, token, backoff=0.1, max_backoff=0.3)
+    try:
+        stream = StreamReader(watcher)
+        # The stream starts with the next event once it is open: knock until it answers.
+        deadline = time.monotonic() + 10
+        while stream.events.empty() and time.monotonic() < deadline:
+            transitions.create(actor=agent, title="knock", queue="knock")
+            time.sleep(0.2)
+        task = transitions.create(actor=agent, title="watched", queue="q")
+        while (seen := stream.get()).task_id != task.id:
+            pass
+        assert (seen.type, seen.status, seen.actor) == ("created", "pending", "agent-smith")
+        assert seen.payload["title"] == "watched"
+        assert seen.stream_id
+
+        first.stop()  # the connection drops; these happen while nobody serves the stream
+        [claim] = transitions.claim(actor=agent, queues=["q"])
+        transitions.complete(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+        with live_server(port):
+            missed = [stream.get(timeout=10), stream.get(timeout=10)]
+            assert [(e.task_id, e.type) for e in missed] == [
+                (task.id, "claimed"),
+                (task.id, "completed"),
+            ]
+            assert [e.id for e in missed] == [e.id for e in watcher.iter_events(after=seen.id)]
+            with pytest.raises(queue.Empty):
+                stream.events.get(timeout=0.3)  # nothing twice
+    finally:
+        watcher.close()
+        first.stop()
+
+
+# -- The lease helper --------------------------------------------------------------------
+
+
+@live
+def test_the_lease_helper_heartbeats_until_the_task_is_completed(board: Client) -> None:
+    board.create("long job", queue="q")
+    claimed = time.monotonic()
+    [task] = board.claim(queues=["q"], lease_seconds=3)  # a heartbeat every second
+    assert task.leased_until is not None
+
+    def heartbeats() -> int:
+        return len(board.events(task=task, type="heartbeat").results)
+
+    with board.lease(task) as lease:
+        eventually(lambda: heartbeats() >= 2)
+        assert time.monotonic() - claimed >= 1.9, "every third of the lease, not more often"
+        assert not lease.lost
+        leased_until = TaskRow.objects.get(id=task.id).leased_until
+        assert leased_until is not None and leased_until > task.leased_until + timedelta(
+            seconds=1.5
+        )
+        assert lease.latest.leased_until is not None
+        assert lease.latest.leased_until > task.leased_until
+        done = lease.complete({"ok": True})
+
+    assert (done.status, done.result) == ("done", {"ok": True})
+    beats = heartbeats()
+    time.sleep(1.2)
+    assert heartbeats() == beats, "no heartbeat after the task is done"
+    assert not lease.lost
+
+
+@live
+def test_the_lease_helper_reports_the_loss_at_once_when_another_agent_reclaims(
+    board: Client, other_board: Client, other_agent: Any
+) -> None:
+    board.create("contested", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=3)
+    told: list[Lease] = []
+    lease = board.lease(task, on_lost=told.append)
+
+    expire_and_claim(task.id, other_agent)  # as if our heartbeats had not got through
+    reclaimed = time.monotonic()
+
+    assert lease.wait_lost(timeout=3.0)
+    # At the next heartbeat (every second), not when the 3 s lease would have run out.
+    assert time.monotonic() - reclaimed < 2.0
+    assert lease.lost and told == [lease]
+    assert isinstance(lease.error, LeaseLost)
+    with pytest.raises(LeaseLost):
+        lease.complete("too late")
+    assert told == [lease], "told once"
+    now = TaskRow.objects.get(id=task.id)
+    assert (now.status, now.leased_by_id, now.failure_count) == ("in_progress", "agent-jones", 1)
+
+
+@live
+def test_the_lease_helper_says_the_lease_is_lost_when_no_heartbeat_gets_through(
+    board: Client,
+) -> None:
+    board.create("unreachable", queue="q")
+    claimed = time.monotonic()
+    [task] = board.claim(queues=["q"], lease_seconds=2)
+    # The same lease, seen through a client whose server has gone away.
+    with Client(f"http://127.0.0.1:{free_port()}", "token", timeout=0.5) as cut_off:
+        lease = cut_off.lease(task)
+        assert lease.wait_lost(timeout=5.0)
+        lost_after = time.monotonic() - claimed
+        assert isinstance(lease.error, LeaseLost)
+        lease.stop()
+    assert 1.9 <= lost_after < 3.5  # when the lease ran out, and not before
+
+
+@live
+def test_a_lease_block_that_raises_fails_the_task_and_one_that_just_ends_releases_it(
+    board: Client,
+) -> None:
+    board.create("raises", queue="q")
+    board.create("ends", queue="q")
+    raises, ends = sorted(board.claim(queues=["q"], limit=2), key=lambda t: t.id)
+
+    with pytest.raises(RuntimeError), board.lease(raises):
+        raise RuntimeError("disk full")
+    with board.lease(ends):
+        pass
+
+    failed, released = board.get(raises), board.get(ends)
+    assert (failed.status, failed.failure_count, failed.last_error) == (
+        "pending",
+        1,
+        "RuntimeError: disk full",
+    )
+    assert (released.status, released.failure_count) == ("pending", 0)
+    assert board.task_events(ends).results[-1].type == "released"
+
+
+# -- Retries (a fake transport: a real server cannot be made to answer 503 on cue) --------
+
+TASK_JSON: dict[str, Any] = {
+    "id": 7,
+    "title": "t",
+    "description": "",
+    "payload": {},
+    "queue": "default",
+    "priority": 0,
+    "max_failures": 3,
+    "run_after": None,
+    "status": "pending",
+    "failure_count": 0,
+    "leased_by": None,
+    "leased_until": None,
+    "lease_expired": False,
+    "result": None,
+    "last_error": None,
+    "created_by": "agent-smith",
+    "created_at": "2025-01-01T00:00:00Z",
+    "updated_at": "2025-01-01T00:00:00Z",
+}
+UNAVAILABLE = {"error": "unavailable", "detail": "The database is unavailable. Try again shortly."}
+
+
+class Script:
+    """A fake server that answers each request with the next scripted answer (the last
+    one repeats); an exception is raised instead of answering."""
+
+    def __init__(self, *answers: httpx.Response | Exception) -> None:
+        self.answers = list(answers)
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+@pytest.fixture
+def pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record the client's pauses between retries instead of sleeping them."""
+    slept: list[float] = []
+    fake_time = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)
+    monkeypatch.setattr(client_module, "time", fake_time)
+    return slept
+
+
+def scripted(script: Script, **options: Any) -> Client:
+    options = {"retries": 3, "backoff": 0.5, "max_backoff": 1.5, **options}
+    return Client("http://board.test", "token", transport=httpx.MockTransport(script), **options)
+
+
+def test_503_answers_are_retried_with_growing_pauses_until_one_succeeds(
+    pauses: list[float],
+) -> None:
+    script = Script(
+        httpx.Response(503, json=UNAVAILABLE),
+        httpx.Response(503, json=UNAVAILABLE),
+        httpx.Response(200, json=TASK_JSON),
+    )
+
+    task = scripted(script).get(7)
+
+    assert task.id == 7
+    assert len(script.requests) == 3
+    assert len(pauses) == 2
+    assert 0.25 <= pauses[0] <= 0.5 and 0.5 <= pauses[1] <= 1.0  # backoff * 2**n, jittered
+
+
+def test_refused_connections_are_retried_then_raise_unavailable(pauses: list[float]) -> None:
+    script = Script(httpx.ConnectError("Connection refused"))
+
+    with pytest.raises(Unavailable) as gave_up:
+        scripted(script).create("never sent")  # never sent, so safe to send again
+
+    assert len(script.requests) == 4  # the first try and three retries
+    assert gave_up.value.status is None and gave_up.value.code == "unreachable"
+    assert isinstance(gave_up.value.__cause__, httpx.ConnectError)
+    assert len(pauses) == 3 and all(pause <= 1.5 for pause in pauses)  # bounded
+    assert pauses[2] >= 0.75
+
+
+def test_503_after_the_retries_raises_unavailable_with_the_servers_detail(
+    pauses: list[float],
+) -> None:
+    script = Script(httpx.Response(503, json=UNAVAILABLE, headers={"Retry-After": "5"}))
+
+    with pytest.raises(Unavailable) as gave_up:
+        scripted(script, retries=2).claim()
+
+    assert len(script.requests) == 3
+    assert (gave_up.value.status, gave_up.value.code) == (503, "unavailable")
+    assert gave_up.value.detail == UNAVAILABLE["detail"]
+    assert pauses == [1.5, 1.5]  # Retry-After is heeded, within max_backoff
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error"),
+    [
+        (
+            400,
+            {"error": "invalid", "detail": "Invalid.", "fields": {"title": ["Required."]}},
+            ValidationError,
+        ),
+        (401, {"error": "not_authenticated", "detail": "Log in."}, AuthenticationError),
+        (403, {"error": "permission_denied", "detail": "Staff only."}, PermissionDenied),
+        (404, {"error": "not_found", "detail": "No task."}, NotFound),
+        (409, {"error": "lease_lost", "detail": "Stop.", "status": "done"}, LeaseLost),
+        (
+            409,
+            {"error": "invalid_transition", "detail": "No.", "status": "done"},
+            InvalidTransition,
+        ),
+        (413, {"error": "payload_too_large", "detail": "Too big."}, PayloadTooLarge),
+    ],
+)
+def test_4xx_answers_are_never_retried(
+    pauses: list[float], status: int, body: dict[str, Any], error: type[TaskboardError]
+) -> None:
+    script = Script(httpx.Response(status, json=body), httpx.Response(200, json=TASK_JSON))
+
+    with pytest.raises(error) as refused:
+        scripted(script).get(7)
+
+    assert len(script.requests) == 1 and pauses == []
+    assert (refused.value.status, refused.value.code) == (status, body["error"])
+    assert refused.value.fields == body.get("fields", {})
+
+
+def test_a_request_sent_without_an_answer_is_repeated_only_when_that_is_harmless(
+    pauses: list[float],
+) -> None:
+    lost_answer = httpx.ReadError("connection reset")
+
+    # A claim or a completion might have taken effect: sending it again could do it twice.
+    claim = Script(lost_answer, httpx.Response(200, json={"tasks": []}))
+    with pytest.raises(Unavailable) as unknown:
+        scripted(claim).claim()
+    assert len(claim.requests) == 1
+    assert unknown.value.code == "no_answer"
+
+    # A read, or a heartbeat, may be repeated.
+    read = Script(lost_answer, httpx.Response(200, json=TASK_JSON))
+    assert scripted(read).get(7).id == 7
+    heartbeat = Script(lost_answer, httpx.Response(200, json=TASK_JSON))
+    assert scripted(heartbeat).heartbeat(7, lease_token="t").id == 7
+    assert len(read.requests) == len(heartbeat.requests) == 2
+
+
+def test_a_server_that_is_not_there_raises_unavailable_after_the_retries() -> None:
+    started = time.monotonic()
+    nowhere = Client(f"http://127.0.0.1:{free_port()}", "t", retries=2, backoff=0.1)
+    with nowhere, pytest.raises(Unavailable) as gave_up:
+        nowhere.list_tasks()
+    assert isinstance(gave_up.value.__cause__, httpx.ConnectError)
+    assert 0.1 <= time.monotonic() - started < 5
+
+
+# -- Packaging ----------------------------------------------------------------------------
+
+
+def test_the_client_and_the_worker_import_without_django() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = (
+        "import sys; import taskboard.client, taskboard.worker, taskboard.console; "
+        "loaded = sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')); "
+        "print(loaded); sys.exit(1 if loaded else 0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,485 @@
+"""``taskboard work``, ``submit`` and ``tasks`` end to end: the real command, as a
+subprocess without Django settings, against a live server, running real commands."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+
+from board import transitions
+from board.models import Task, TaskEvent, TaskStatus
+from taskboard.worker import Display, failure_message, parse_result
+from tests.factories import TokenFactory, UserFactory
+from tests.live import LiveServer, live_server
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = "worker-bee"
+
+live = pytest.mark.django_db(transaction=True)
+
+
+def token_of(user: Any) -> str:
+    """Return the API token of ``user`` (made on first use)."""
+    token: Any = TokenFactory(user=user)
+    return str(token.key)
+
+
+@pytest.fixture
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture
+def token(fast_password_hashing: None) -> str:
+    return token_of(UserFactory(username=WORKER))
+
+
+def cli_env(server: LiveServer, token: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    env.update(TASKBOARD_URL=server.url, TASKBOARD_TOKEN=token, PYTHONUNBUFFERED="1")
+    return env
+
+
+def taskboard(
+    server: LiveServer, token: str, *args: str, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """Run ``taskboard ARGS`` to the end."""
+    return subprocess.run(
+        [sys.executable, "-m", "taskboard.cli", *args],
+        cwd=ROOT,
+        env=cli_env(server, token),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+class WorkerProcess:
+    """``taskboard work OPTIONS -- COMMAND`` running in the background, its output in a file."""
+
+    def __init__(
+        self, server: LiveServer, token: str, log: Path, options: list[str], command: list[str]
+    ) -> None:
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "taskboard.cli", "work", *options, "--", *command],
+                cwd=ROOT,
+                env=cli_env(server, token),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 10) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the worker did not exit:\n{self.output}") from None
+
+    def stop(self) -> int:
+        self.terminate()
+        return self.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def start_worker(
+    server: LiveServer, token: str, tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    workers: list[WorkerProcess] = []
+
+    def start(*options: str, command: list[str]) -> WorkerProcess:
+        log = tmp_path / f"worker-{len(workers)}.log"
+        worker = WorkerProcess(server, token, log, list(options), command)
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.kill()
+
+
+def python(code: str, *args: str) -> list[str]:
+    return [sys.executable, "-c", code, *args]
+
+
+def eventually(check: Callable[[], Any], timeout: float = 10, what: str = "it") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.05)
+
+
+def status_of(task_id: int) -> str:
+    return str(Task.objects.get(id=task_id).status)
+
+
+def event_types(task_id: int) -> list[str]:
+    return list(
+        TaskEvent.objects.filter(task_id=task_id).order_by("id").values_list("type", flat=True)
+    )
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# Writes its pid to argv[1], then sleeps for argv[2] seconds and prints a JSON result.
+SLEEPER = """
+import json, os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(float(sys.argv[2]))
+print(json.dumps({"slept": float(sys.argv[2])}))
+"""
+
+
+def started_pid(pidfile: Path, timeout: float = 10) -> int:
+    eventually(pidfile.exists, timeout, what="the command's start")
+    return int(pidfile.read_text())
+
+
+# -- work --------------------------------------------------------------------------------
+
+
+@live
+def test_a_command_that_succeeds_completes_its_task_with_its_output(
+    start_worker: Callable[..., WorkerProcess], agent: Any, server: LiveServer
+) -> None:
+    command = python(
+        """
+import json, os, sys
+task = json.load(sys.stdin)
+if task["payload"].get("text"):
+    print("hello,", task["title"])
+else:
+    env = {k: v for k, v in os.environ.items() if k.startswith("TASKBOARD_")}
+    env.pop("TASKBOARD_TOKEN")
+    print(json.dumps({"doubled": task["payload"]["n"] * 2, "env": env, "stdin": task}))
+"""
+    )
+    as_json = transitions.create(actor=agent, title="double it", queue="math", payload={"n": 21})
+    as_text = transitions.create(actor=agent, title="world", queue="math", payload={"text": 1})
+    elsewhere = transitions.create(actor=agent, title="not mine", queue="other")
+
+    worker = start_worker("--queue", "math", "--concurrency", "2", command=command)
+    eventually(lambda: status_of(as_json.id) == status_of(as_text.id) == "done", what="both done")
+    assert worker.stop() == 0
+
+    result: Any = Task.objects.get(id=as_json.id).result
+    assert result["doubled"] == 42
+    lease_token = result["env"].pop("TASKBOARD_LEASE_TOKEN")
+    assert lease_token and lease_token not in json.dumps(result["stdin"])
+    assert result["env"] == {
+        "TASKBOARD_TASK_ID": str(as_json.id),
+        "TASKBOARD_TASK_QUEUE": "math",
+        "TASKBOARD_TASK_TITLE": "double it",
+        "TASKBOARD_URL": server.url,
+        "TASKBOARD_ATTEMPT": "1",
+    }
+    assert result["stdin"]["id"] == as_json.id
+    assert result["stdin"]["payload"] == {"n": 21}
+    assert result["stdin"]["leased_by"] == WORKER
+    assert Task.objects.get(id=as_text.id).result == "hello, world"
+    assert status_of(elsewhere.id) == "pending"
+    assert event_types(as_json.id)[-1] == "completed"
+    assert f"task {as_json.id}: done" in worker.output
+    assert "stopped: 2 done, 0 failed" in worker.output
+
+
+@live
+def test_a_command_that_fails_fails_its_task_with_the_tail_of_its_stderr(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    command = python(
+        """
+import os, sys
+sys.stderr.write("noise " * 2000)
+sys.stderr.write("\\nattempt " + os.environ["TASKBOARD_ATTEMPT"] + ": disk full\\n")
+sys.exit(3)
+"""
+    )
+    task = transitions.create(actor=agent, title="doomed", queue="q", max_failures=2)
+
+    worker = start_worker("--queue", "q", command=command)
+    eventually(lambda: status_of(task.id) == "escalated", what="the escalation")
+    assert worker.stop() == 0
+
+    failed = Task.objects.get(id=task.id)
+    assert failed.failure_count == 2
+    assert failed.last_error is not None
+    assert failed.last_error.startswith("exit status 3; stderr:\n")
+    assert failed.last_error.endswith("noise \nattempt 2: disk full")  # the server trims it
+    assert len(failed.last_error) <= 4000 + len("exit status 3; stderr:\n")
+    assert event_types(task.id) == [
+        "created",
+        "claimed",
+        "failed",
+        "claimed",
+        "failed",
+        "escalated",
+    ]
+    first_failure = TaskEvent.objects.filter(task_id=task.id, type="failed").first()
+    assert first_failure is not None
+    assert "attempt 1: disk full" in first_failure.payload["error"]
+    assert f"task {task.id}: failed" in worker.output
+
+
+@live
+def test_a_command_whose_lease_is_lost_is_killed_and_nothing_is_reported(
+    start_worker: Callable[..., WorkerProcess], agent: Any, other_agent: Any, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pid"
+    task = transitions.create(actor=agent, title="slow", queue="slow")
+
+    worker = start_worker(
+        "--queue", "slow", "--lease", "2", command=python(SLEEPER, str(pidfile), "60")
+    )
+    pid = started_pid(pidfile)
+    eventually(lambda: "heartbeat" in event_types(task.id), what="a heartbeat")
+
+    # The lease runs out (as if the heartbeats had not got through) and another agent
+    # claims the task, in one transaction: the worker cannot take it back in between.
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE tasks SET leased_until = now() - interval '1 second' WHERE id = %s",
+                [task.id],
+            )
+        [claim] = transitions.claim(actor=other_agent, queues=["slow"])
+    assert claim.task.id == task.id
+    expired_at = time.monotonic()
+
+    eventually(lambda: process_gone(pid), timeout=5, what="the kill")
+    # At the next heartbeat (every 2/3 s), not at the end of a 60 s command.
+    assert time.monotonic() - expired_at < 3.5
+
+    assert worker.stop() == 0
+    now = Task.objects.get(id=task.id)
+    assert (now.status, now.leased_by_id) == (TaskStatus.IN_PROGRESS, other_agent.username)
+    types = event_types(task.id)
+    assert "completed" not in types and "failed" not in types and "released" not in types
+    assert f"task {task.id}: lease lost" in worker.output
+    assert "stopped: 0 done, 0 failed, 0 released, 1 lost" in worker.output
+
+
+@live
+def test_sigterm_lets_a_running_command_finish_within_the_grace_and_claims_nothing_more(
+    start_worker: Callable[..., WorkerProcess], agent: Any, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pid"
+    task = transitions.create(actor=agent, title="finish me", queue="q")
+
+    worker = start_worker(
+        "--queue", "q", "--grace", "20", command=python(SLEEPER, str(pidfile), "1.5")
+    )
+    started_pid(pidfile)
+    worker.terminate()
+    later = transitions.create(actor=agent, title="after the signal", queue="q")
+
+    assert worker.wait(15) == 0
+    done = Task.objects.get(id=task.id)
+    assert (done.status, done.result) == (TaskStatus.DONE, {"slept": 1.5})
+    assert status_of(later.id) == "pending"
+    assert "stopping: letting 1 running command(s) finish" in worker.output
+
+
+@live
+def test_sigterm_releases_a_task_whose_command_outlasts_the_grace(
+    start_worker: Callable[..., WorkerProcess], agent: Any, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pid"
+    task = transitions.create(actor=agent, title="too long", queue="q")
+
+    worker = start_worker(
+        "--queue", "q", "--grace", "1", command=python(SLEEPER, str(pidfile), "60")
+    )
+    pid = started_pid(pidfile)
+    signalled = time.monotonic()
+    worker.terminate()
+
+    assert worker.wait(10) == 0
+    assert time.monotonic() - signalled < 5
+    assert process_gone(pid)
+    released = Task.objects.get(id=task.id)
+    assert (released.status, released.failure_count, released.leased_by_id) == ("pending", 0, None)
+    last = TaskEvent.objects.filter(task_id=task.id).order_by("-id").first()
+    assert last is not None and (last.type, last.actor) == ("released", WORKER)
+    assert "stopped: 0 done, 0 failed, 1 released" in worker.output
+
+
+@live
+def test_concurrency_runs_up_to_that_many_commands_at_once(
+    start_worker: Callable[..., WorkerProcess], agent: Any, tmp_path: Path
+) -> None:
+    command = python(
+        """
+import os, sys, time
+name = os.path.join(sys.argv[1], os.environ["TASKBOARD_TASK_ID"])
+open(name + ".start", "w").write(repr(time.time()))
+time.sleep(1)
+open(name + ".end", "w").write(repr(time.time()))
+""",
+        str(tmp_path),
+    )
+    tasks = [transitions.create(actor=agent, title=f"t{n}", queue="q").id for n in range(3)]
+
+    worker = start_worker("--queue", "q", "--concurrency", "2", command=command)
+    eventually(lambda: all(status_of(t) == "done" for t in tasks), what="all done")
+    assert worker.stop() == 0
+
+    spans = [
+        (float((tmp_path / f"{t}.start").read_text()), float((tmp_path / f"{t}.end").read_text()))
+        for t in tasks
+    ]
+    most = max(sum(1 for start, end in spans if start <= at < end) for at, _ in spans)
+    assert most == 2
+
+
+def test_the_status_line_is_redrawn_in_place_on_a_terminal() -> None:
+    out = io.StringIO()
+    display = Display(out, live=True)
+
+    display.status("1 running: #7 0s | 0 done")
+    display.log("task 7: done")
+    display.status("0 running | 1 done")
+    display.close()
+
+    text = out.getvalue()
+    assert text.startswith("\r\x1b[K1 running: #7 0s | 0 done")
+    assert "\r\x1b[K" in text and "task 7: done\n1 running: #7 0s | 0 done" in text
+    assert text.endswith("\r\x1b[K0 running | 1 done\r\x1b[K")
+
+
+def test_off_a_terminal_it_writes_plain_timestamped_lines() -> None:
+    out = io.StringIO()
+    display = Display(out, live=False)
+
+    display.status("1 running")
+    display.log("task 7: done")
+
+    [line] = out.getvalue().splitlines()
+    assert line.endswith(" task 7: done") and line[:4].isdigit() and "\r" not in line
+
+
+def test_a_result_is_json_when_it_parses_and_text_otherwise() -> None:
+    assert parse_result(b'{"a": [1, 2]}\n') == {"a": [1, 2]}
+    assert parse_result(b"12\n") == 12
+    assert parse_result(b"hello\nworld\n\n") == "hello\nworld"
+    assert parse_result(b"NaN\n") == "NaN"  # not JSON, though Python would take it
+    assert parse_result(b"  \n") is None
+    assert failure_message(-9, "") == "killed by SIGKILL (no stderr)"
+
+
+# -- submit and tasks --------------------------------------------------------------------
+
+
+@live
+def test_submit_creates_tasks_from_arguments_and_from_json_lines(
+    server: LiveServer, token: str
+) -> None:
+    done = taskboard(
+        server, token, "submit", "--queue", "images", "--priority", "5",
+        "--payload", '{"a": 1}', "resize",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    task = Task.objects.get(id=int(done.stdout))
+    assert (task.title, task.queue, task.priority, task.payload) == (
+        "resize",
+        "images",
+        5,
+        {"a": 1},
+    )
+    assert task.created_by_id == WORKER
+
+    lines = '{"title": "crop", "priority": 7}\n\n{"title": "rotate", "payload": {"b": 2}}\n'
+    done = taskboard(server, token, "submit", "--queue", "images", "--json", "-", stdin=lines)
+    assert done.returncode == 0, done.stderr
+    crop, rotate = (json.loads(line) for line in done.stdout.splitlines())
+    assert (crop["title"], crop["queue"], crop["priority"]) == ("crop", "images", 7)
+    assert (rotate["title"], rotate["payload"], rotate["priority"]) == ("rotate", {"b": 2}, 0)
+
+    refused = taskboard(server, token, "submit", "--priority", "5000", "too important")
+    assert refused.returncode == 1
+    assert "400 invalid" in refused.stderr and "priority:" in refused.stderr
+
+
+@live
+def test_tasks_lists_by_filter_as_json_lines_or_a_table(
+    server: LiveServer, token: str, agent: Any
+) -> None:
+    worker: Any = UserFactory(username=WORKER)
+    first = transitions.create(actor=agent, title="first", queue="q")
+    second = transitions.create(actor=agent, title="second one", queue="q")
+    transitions.create(actor=agent, title="elsewhere", queue="other")
+    transitions.claim(actor=worker, queues=["q"])  # takes "first"
+
+    done = taskboard(server, token, "tasks", "--queue", "q", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == [second.id, first.id]
+
+    done = taskboard(server, token, "tasks", "--queue", "q", "--json", "--limit", "1")
+    assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == [second.id]
+
+    done = taskboard(server, token, "tasks", "--status", "in_progress", "--leased-by", WORKER)
+    header, row = done.stdout.splitlines()
+    assert header.split() == [
+        "ID",
+        "STATUS",
+        "QUEUE",
+        "PRIORITY",
+        "FAILURES",
+        "LEASED",
+        "BY",
+        "TITLE",
+    ]
+    assert row.split() == [str(first.id), "in_progress", "q", "0", "0/3", WORKER, "first"]
+
+    stranger = taskboard(server, "not-a-token", "tasks")
+    assert stranger.returncode == 1 and "401" in stranger.stderr
+
+
+def test_taskboard_help_names_the_agent_commands_and_the_server_commands() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "taskboard.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("work", "submit", "tasks", "createsuperuser", "create_agent", "serve"):
+        assert f" {name}" in done.stdout
