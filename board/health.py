@@ -16,13 +16,16 @@ logger = logging.getLogger(__name__)
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
     """Return 200 ``{"status": "ok"}`` when the database answers, else 503."""
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-            cursor.fetchone()
-    except DatabaseError as exc:
-        logger.warning("health check: database unavailable: %s", exc)
-        # Drop the broken connection now, so the next request connects afresh.
-        connection.close_if_unusable_or_obsolete()
-        return JsonResponse({"status": "unavailable"}, status=503)
-    return JsonResponse({"status": "ok"})
+    # A connection kept from before a database restart fails once: then try a new one,
+    # so the first check after the database returns already answers 200.
+    for attempt in range(2):
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+                cursor.fetchone()
+            return JsonResponse({"status": "ok"})
+        except DatabaseError as exc:
+            connection.close()
+            if attempt:
+                logger.warning("health check: database unavailable: %s", exc)
+    return JsonResponse({"status": "unavailable"}, status=503)

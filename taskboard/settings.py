@@ -126,7 +126,7 @@ if os.environ.get("DATABASE_URL"):
         "default": dj_database_url.parse(
             os.environ["DATABASE_URL"],
             conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300),
-            conn_health_checks=True,
+            conn_health_checks=env_bool("DATABASE_HEALTH_CHECKS", False),
         )
     }
 else:
@@ -136,7 +136,7 @@ else:
             "NAME": "taskboard",
             "USER": "postgres",
             "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300),
-            "CONN_HEALTH_CHECKS": True,
+            "CONN_HEALTH_CHECKS": env_bool("DATABASE_HEALTH_CHECKS", False),
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
     }
@@ -219,7 +219,11 @@ SPECTACULAR_SETTINGS = {
 
 # Worker threads per server process for pages and API requests; each keeps one database
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
-TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 8)
+TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
+
+# Seconds an API token's lookup is remembered by a server process (0: look up every time).
+# A deleted token or a deactivated user is refused at most this long after the change.
+TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
 
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)

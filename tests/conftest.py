@@ -111,3 +111,11 @@ def open_raw_connection() -> Iterator[Callable[..., Any]]:
 def fast_password_hashing(settings: Any) -> None:
     """Hash the factories' passwords with a cheap hasher (PBKDF2 costs ~0.5 s a user)."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(autouse=True)
+def _forget_cached_tokens() -> None:
+    """Each test starts with an empty token cache (board.api.authentication)."""
+    from board.api import authentication
+
+    authentication._token_cache.clear()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from django.conf import settings
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication, get_authorization_header
@@ -28,8 +30,34 @@ class BearerTokenAuthentication(TokenAuthentication):
             raise exceptions.AuthenticationFailed("Invalid token.") from None
         return self.authenticate_credentials(key)
 
+    def authenticate_credentials(self, key: str) -> tuple[Any, Any]:
+        """Look the token up, or take it from this process's short-lived cache.
+
+        Agents send the same token with every call; remembering it for
+        TASKBOARD_TOKEN_CACHE_SECONDS saves a query per request. Only successful lookups
+        are remembered, so a new token works at once; a deleted token or a deactivated
+        user is refused at most that many seconds later.
+        """
+        ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
+        now = time.monotonic()
+        cached = _token_cache.get(key)
+        if ttl > 0 and cached is not None and cached[2] > now:
+            return cached[0], cached[1]
+        user, token = super().authenticate_credentials(key)
+        if ttl > 0:
+            if len(_token_cache) >= _TOKEN_CACHE_SIZE:
+                _token_cache.clear()
+            _token_cache[key] = (user, token, now + ttl)
+        return user, token
+
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="taskboard"'
+
+
+_TOKEN_CACHE_SIZE = 10_000
+# key -> (user, token, monotonic expiry). Dict reads and writes are atomic under the GIL;
+# two threads missing at once both query and store the same answer.
+_token_cache: dict[str, tuple[Any, Any, float]] = {}
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):

@@ -332,3 +332,22 @@ class TaskPageSerializer(serializers.Serializer[Any]):
 class EventPageSerializer(serializers.Serializer[Any]):
     results = EventSerializer(many=True)
     next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+def render(serializer_class: type[serializers.Serializer[Any]], instance: Any) -> dict[str, Any]:
+    """Return ``serializer_class(instance).data``, from one cached serializer per class.
+
+    Building a ModelSerializer's fields costs more than the rest of a request's Python
+    work; output serializers hold no per-request state, so one instance serves them all.
+    """
+    serializer = _renderers.get(serializer_class)
+    if serializer is None:
+        serializer = _renderers.setdefault(serializer_class, serializer_class())
+    return dict(serializer.to_representation(instance))
+
+
+def render_many(serializer_class: type[serializers.Serializer[Any]], rows: Any) -> list[Any]:
+    return [render(serializer_class, row) for row in rows]
+
+
+_renderers: dict[type[serializers.Serializer[Any]], serializers.Serializer[Any]] = {}

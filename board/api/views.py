@@ -108,14 +108,14 @@ class TaskViewSet(BoardViewSet):
         if "leased_by" in filters:
             tasks = tasks.filter(leased_by_id=filters["leased_by"])
         rows, next_url = keyset_page(request, tasks, limit=page["limit"], before=page.get("before"))
-        return Response({"results": s.TaskSerializer(rows, many=True).data, "next": next_url})
+        return Response({"results": s.render_many(s.TaskSerializer, rows), "next": next_url})
 
     def retrieve(self, request: Request, pk: str) -> Response:
-        return Response(s.TaskSerializer(self.get_object()).data)
+        return Response(s.render(s.TaskSerializer, self.get_object()))
 
     def create(self, request: Request) -> Response:
         task = transitions.create(actor=request.user, **self.validated(s.TaskCreateSerializer))
-        return Response(s.TaskSerializer(task).data, status=status.HTTP_201_CREATED)
+        return Response(s.render(s.TaskSerializer, task), status=status.HTTP_201_CREATED)
 
     @extend_schema(
         summary="Claim tasks",
@@ -139,7 +139,7 @@ class TaskViewSet(BoardViewSet):
         for claim in claims:
             claim.task.lease_token = claim.lease_token
             tasks.append(claim.task)
-        response = Response({"tasks": s.ClaimedTaskSerializer(tasks, many=True).data})
+        response = Response({"tasks": s.render_many(s.ClaimedTaskSerializer, tasks)})
         if not tasks and data["wait"] > 0:
             # For board.waiting, which holds the request between attempts: when work next
             # becomes claimable without an event to announce it.
@@ -153,7 +153,7 @@ class TaskViewSet(BoardViewSet):
         task = transition(
             task_id=int(pk), actor=self.request.user, **self.validated(serializer_class)
         )
-        return Response(s.TaskSerializer(task).data)
+        return Response(s.render(s.TaskSerializer, task))
 
     @extend_schema(
         summary="Extend your lease",
@@ -285,7 +285,7 @@ class TaskViewSet(BoardViewSet):
             after=params["after"],
             limit=params["limit"],
         )
-        return Response({"results": s.EventSerializer(rows, many=True).data, "next": next_url})
+        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
 
 
 class EventViewSet(BoardViewSet):
@@ -308,4 +308,4 @@ class EventViewSet(BoardViewSet):
         if "type" in params:
             events = events.filter(type=params["type"])
         rows, next_url = keyset_page(request, events, after=params["after"], limit=params["limit"])
-        return Response({"results": s.EventSerializer(rows, many=True).data, "next": next_url})
+        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
