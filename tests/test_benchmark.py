@@ -1,0 +1,61 @@
+"""The benchmark command runs a scenario end to end in its own scratch databases."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from taskboard.benchmark.harness import Figure, percentile
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_figure_passes_or_fails_its_target() -> None:
+    assert Figure("ratio", 0.41, "x", ">= 0.4").passed is True
+    assert Figure("p99", 120, "ms", "< 100").passed is False
+    assert Figure("rate", 12).passed is None
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_quick_api_scenario_reports_its_figures_and_drops_its_databases(
+    tmp_path: Path,
+) -> None:
+    prefix = f"bench_test_{os.getpid()}"
+    output = tmp_path / "results.json"
+    stdout = io.StringIO()
+
+    call_command(
+        "benchmark",
+        "--quick",
+        "--only",
+        "api",
+        "--output",
+        str(output),
+        "--prefix",
+        prefix,
+        stdout=stdout,
+    )
+
+    data = json.loads(output.read_text())
+    (scenario,) = data["scenarios"]
+    assert scenario["error"] == ""
+    figures = {figure["name"]: figure for figure in scenario["figures"]}
+    assert figures["API claim+complete cycles/s"]["value"] > 0
+    assert figures["API / raw SQL"]["passed"] in {True, False}
+    assert "API / raw SQL" in stdout.getvalue()
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    params.pop("context", None)
+    params.pop("prepare_threshold", None)
+    with psycopg.connect(**{**params, "dbname": "postgres"}) as conn:
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"]
+        ).fetchall()
+    assert left == []
