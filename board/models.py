@@ -80,6 +80,8 @@ class Task(models.Model):
     failure_count = models.PositiveSmallIntegerField(default=0)
     # Holder and creator are stored as usernames (a real foreign key to auth_user.username),
     # so the guards and the API read them without a join.
+    # Indexed partially (only leased rows) in migration 0002: a full index here would take
+    # a new entry from every transition of every task.
     leased_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         to_field="username",
@@ -88,6 +90,7 @@ class Task(models.Model):
         null=True,
         blank=True,
         related_name="+",
+        db_index=False,
     )
     leased_until = models.DateTimeField(null=True, blank=True)
     # Secret of the current holder; never serialized on a Task, only in a claim response.
@@ -96,12 +99,15 @@ class Task(models.Model):
     lease_seconds = models.PositiveIntegerField(null=True, blank=True, editable=False)
     result = models.JSONField(null=True, blank=True)
     last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 (the contract has null)
+    # Not indexed: nothing reads tasks by creator (deleting a user, which is rare, scans
+    # tasks), and every transition of every task would pay for the index.
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         to_field="username",
         db_column="created_by",
         on_delete=models.PROTECT,
         related_name="+",
+        db_index=False,
     )
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
