@@ -6,11 +6,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from board import conf
+from board.asgi_tools import read_body, replaying, send_response
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,11 @@ def is_database_outage(exc: BaseException) -> bool:
 
 
 class BodySizeLimitMiddleware:
-    """Refuse bodies over MAX_BODY_BYTES with 413 before anything parses them."""
+    """Refuse a declared body over MAX_BODY_BYTES with 413 before anything parses it.
+
+    Chunked bodies (no declared length) are measured in front of Django, by
+    :class:`RequestBodyLimit`, which gives them a length.
+    """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
@@ -50,13 +54,6 @@ class BodySizeLimitMiddleware:
                 return too_large()
         except ValueError:
             return error_response(400, "invalid", "The Content-Length header is not a number.")
-        if not length and request.method in {"POST", "PUT", "PATCH"}:
-            # A chunked body has no declared length: read it (Django stops past
-            # DATA_UPLOAD_MAX_MEMORY_SIZE) so that the limit holds for it too.
-            try:
-                request.body  # noqa: B018
-            except RequestDataTooBig:
-                return too_large()
         return self.get_response(request)
 
 
@@ -97,43 +94,13 @@ class RequestBodyLimit:
         declared = [value for name, value in headers if name.lower() == b"content-length"]
         if declared:
             if declared[0].isdigit() and int(declared[0]) > conf.MAX_BODY_BYTES:
-                await _send_response(send, too_large())
+                await send_response(send, too_large())
                 return
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > conf.MAX_BODY_BYTES:
-                await _send_response(send, too_large())
-                return
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive, conf.MAX_BODY_BYTES)
+        if body is None:
+            await send_response(send, too_large())  # (or the client left: nobody reads it)
+            return
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-async def _send_response(send: Any, response: HttpResponse) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status_code,
-            "headers": [(k.lower().encode(), v.encode()) for k, v in response.items()],
-        }
-    )
-    await send({"type": "http.response.body", "body": response.content})
+        await self.app(scope, replaying(body, receive), send)

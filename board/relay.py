@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 CHANNEL = "task_events"
 SSE_EVENT_TYPE = "task_event"
-MAX_CURSOR_TXID = str(2**64 - 1)
-MAX_CURSOR_ID = 2**63 - 1
 
 
 @dataclass(frozen=True, order=True)
@@ -56,6 +54,7 @@ class Cursor:
 
 
 START = Cursor(0, 0)
+END = Cursor(2**64 - 1, 2**63 - 1)  # past any event: xid8 and bigint maxima
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,7 @@ class StreamEvent:
     # The task's run_after and leased_until when the relay read the event.
     run_after: datetime | None
     leased_until: datetime | None
-    data: dict[str, Any]
-    sse: bytes = field(repr=False)
+    sse: bytes = field(repr=False)  # the event as SSE, encoded once for every stream
 
 
 def _stream_event(row: dict[str, Any]) -> StreamEvent:
@@ -85,8 +83,7 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         payload=row["payload"],
         created_at=row["created_at"],
     )
-    data = render(EventSerializer, event)
-    text = json.dumps(data, separators=(",", ":"))
+    text = json.dumps(render(EventSerializer, event), separators=(",", ":"))
     return StreamEvent(
         cursor=Cursor(int(row["txid"]), row["id"]),
         task_id=row["task_id"],
@@ -95,7 +92,6 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         queue=row["queue"],
         run_after=row["run_after"],
         leased_until=row["leased_until"],
-        data=data,
         sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["id"])).encode(),
     )
 
@@ -132,7 +128,7 @@ class Subscriber:
         return events
 
 
-def django_conninfo() -> str:
+def django_conninfo(application_name: str = "taskboard-relay") -> str:
     """Return a libpq connection string for Django's default database, for direct use."""
     params = connection.get_connection_params()
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
@@ -141,7 +137,7 @@ def django_conninfo() -> str:
         for key, value in params.items()
         if key in keywords and isinstance(value, str | int) and value != ""
     }
-    return psycopg.conninfo.make_conninfo("", **kept, application_name="taskboard-relay")
+    return psycopg.conninfo.make_conninfo("", **kept, application_name=application_name)
 
 
 class Relay:
@@ -244,21 +240,10 @@ class Relay:
         horizon = await cur.fetchone()
         assert horizon is not None
         while True:
-            cur = await conn.execute(
-                QUERIES["stream_after"],
-                {
-                    "txid": str(self.head.txid),
-                    "id": self.head.id,
-                    "upto_txid": MAX_CURSOR_TXID,
-                    "upto_id": MAX_CURSOR_ID,
-                    "horizon": horizon["horizon"],
-                    "limit": self.batch,
-                },
-            )
-            rows = await cur.fetchall()
-            if rows:
-                self._deliver([_stream_event(row) for row in rows])
-            if len(rows) < self.batch:
+            events = await self._read(conn, self.head, END, horizon["horizon"])
+            if events:
+                self._deliver(events)
+            if len(events) < self.batch:
                 break
         if not horizon["in_flight"]:
             return False
@@ -330,21 +315,26 @@ class Relay:
 
     async def _from_database(self, after: Cursor, upto: Cursor) -> list[StreamEvent]:
         async with self.pool().connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                QUERIES["stream_after"],
-                {
-                    "txid": str(after.txid),
-                    "id": after.id,
-                    "upto_txid": str(upto.txid),
-                    "upto_id": upto.id,
-                    # Everything up to the relay's head has been read as safe already.
-                    "horizon": MAX_CURSOR_TXID,
-                    "limit": self.batch,
-                },
-            )
-            rows = await cur.fetchall()
-        return [_stream_event(row) for row in rows]
+            # Everything up to the relay's head was read below a horizon already.
+            return await self._read(conn, after, upto, str(END.txid))
+
+    async def _read(
+        self, conn: psycopg.AsyncConnection[Any], after: Cursor, upto: Cursor, horizon: str
+    ) -> list[StreamEvent]:
+        """Read one page of events after ``after``, up to ``upto``, below ``horizon``."""
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
+            QUERIES["stream_after"],
+            {
+                "txid": str(after.txid),
+                "id": after.id,
+                "upto_txid": str(upto.txid),
+                "upto_id": upto.id,
+                "horizon": horizon,
+                "limit": self.batch,
+            },
+        )
+        return [_stream_event(row) for row in await cur.fetchall()]
 
     async def cursor_of(self, event_id: int) -> Cursor | None:
         """Return the cursor of the event ``event_id``, or None if there is no such event.

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from http.cookies import SimpleCookie
 from importlib import import_module
 from typing import Any
@@ -30,6 +29,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
+from board.middleware import database_unavailable, error_response
 from board.relay import Cursor, Relay, get_relay
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ logger = logging.getLogger(__name__)
 PATH = "/api/v1/stream/"
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def authenticate(headers: dict[str, str]) -> Any:
@@ -77,40 +74,16 @@ def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
     return None
 
 
-async def respond_json(send: Send, status: int, body: dict[str, Any], **headers: str) -> None:
-    raw = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(raw)).encode()),
-                *(
-                    (name.lower().replace("_", "-").encode(), value.encode())
-                    for name, value in headers.items()
-                ),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": raw})
-
-
 async def unavailable(send: Send) -> None:
-    await respond_json(
-        send,
-        503,
-        {"error": "unavailable", "detail": "The database is unavailable. Try again shortly."},
-        Retry_After="5",
-    )
+    await send_response(send, database_unavailable())
 
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI endpoint for GET /api/v1/stream/."""
     if scope["method"] not in {"GET", "HEAD"}:
-        await respond_json(
-            send, 405, {"error": "method_not_allowed", "detail": "Use GET."}, Allow="GET"
-        )
+        response = error_response(405, "method_not_allowed", "Use GET.")
+        response["Allow"] = "GET"
+        await send_response(send, response)
         return
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
@@ -122,15 +95,11 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await unavailable(send)
         return
     if user is None:
-        await respond_json(
-            send,
-            401,
-            {
-                "error": "not_authenticated",
-                "detail": "Log in, or send 'Authorization: Bearer <token>'.",
-            },
-            WWW_Authenticate='Bearer realm="taskboard"',
+        response = error_response(
+            401, "not_authenticated", "Log in, or send 'Authorization: Bearer <token>'."
         )
+        response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
+        await send_response(send, response)
         return
     try:
         relay = await get_relay()
@@ -161,11 +130,8 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    async def hang_up() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    writer, listener = asyncio.create_task(write()), asyncio.create_task(hang_up())
+    writer = asyncio.create_task(write())
+    listener = asyncio.create_task(until_disconnect(receive))
     try:
         await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:

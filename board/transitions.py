@@ -163,7 +163,8 @@ def claim(
     claims never wait for each other and never get the same task (SKIP LOCKED). An expired
     lease found on the way is recorded (``expired`` by ``system``) and counts a strike; a
     task that reaches its ``max_failures`` that way is escalated instead of handed out, and
-    the claim goes on to the next candidate.
+    the claim goes on to the next candidate. Each round of that is one statement, hence
+    one transaction of its own; a claim that escalated nothing is a single round.
     """
     if limit < 1:
         return []

@@ -33,9 +33,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from board import conf
+from board.asgi_tools import (
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    replaying,
+    until_disconnect,
+)
 from board.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
@@ -45,11 +53,6 @@ HINT_HEADER = b"taskboard-next-claimable"
 # Events after which the task is pending (and so possibly claimable) again.
 RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired"}
 LEASE_EVENTS = {"claimed", "heartbeat"}
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _sequence = itertools.count()
 
@@ -205,10 +208,13 @@ class WaitingClaims:
         ):
             await self.app(scope, receive, send)
             return
-        body, complete = await self._read_body(receive)
-        request = parse_wait(body) if complete else None
+        # RequestBodyLimit, in front, has checked the size; None means the client left.
+        body = await read_body(receive, conf.MAX_BODY_BYTES)
+        if body is None:
+            return
+        request = parse_wait(body)
         if request is None:
-            await self.app(scope, _replay(body, receive, complete), send)
+            await self.app(scope, replaying(body, receive), send)
             return
         wait, queues = request
         deadline = time.time() + wait
@@ -216,14 +222,13 @@ class WaitingClaims:
             room = await waiting_room()
         except Exception as exc:  # no relay (database down): claim once, without waiting
             logger.warning("waiting claims: relay unavailable (%s); not waiting", exc)
-            await self.app(scope, _replay(body, receive, True), send)
+            await self.app(scope, replaying(body, receive), send)
             return
 
         waiter = room.enter(queues)
-        disconnected = asyncio.ensure_future(_disconnect(receive))
+        disconnected = asyncio.ensure_future(until_disconnect(receive))
         try:
             while True:
-                waiter.woken.clear()
                 response = await self._attempt(scope, body)
                 if not response.claimed_nothing() or time.time() >= deadline:
                     await response.send_to(send)
@@ -253,46 +258,10 @@ class WaitingClaims:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self.app(scope, _replay(body, _never, True), capture)
+        await self.app(scope, replaying(body, _never), capture)
         return CapturedResponse(start, b"".join(chunks))
-
-    @staticmethod
-    async def _read_body(receive: Receive) -> tuple[bytes, bool]:
-        """Read the request body, up to the size limit; report whether it is complete."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return b"".join(chunks), False
-            chunk = message.get("body", b"")
-            chunks.append(chunk)
-            size += len(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks), True
-            if size > conf.MAX_BODY_BYTES:
-                return b"".join(chunks), False
-
-
-def _replay(body: bytes, receive: Receive, complete: bool) -> Receive:
-    """Return a receive() that hands over ``body`` first, then defers to ``receive``."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": not complete}
-        return await receive()
-
-    return replay
 
 
 async def _never() -> Message:
     await asyncio.Event().wait()
     raise AssertionError("unreachable")
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -76,9 +76,6 @@ def api() -> Callable[[Any], APIClient]:
 # Fixtures for tests that need a PostgreSQL connection of their own, beside Django's: a
 # second session that holds a lock, or one that LISTENs for notifications.
 
-# Keys of DatabaseWrapper.get_connection_params() that are Django's, not libpq's.
-_DJANGO_ONLY_CONNECTION_PARAMS = {"cursor_factory", "context", "prepare_threshold"}
-
 
 @pytest.fixture
 def open_raw_connection() -> Iterator[Callable[..., Any]]:
@@ -90,15 +87,12 @@ def open_raw_connection() -> Iterator[Callable[..., Any]]:
     """
     import psycopg  # only these tests need the driver itself
 
+    from board.relay import django_conninfo
+
     opened: list[psycopg.Connection[Any]] = []
 
     def open_connection(*, autocommit: bool = False) -> psycopg.Connection[Any]:
-        params = {
-            key: value
-            for key, value in connection.get_connection_params().items()
-            if key not in _DJANGO_ONLY_CONNECTION_PARAMS
-        }
-        raw = psycopg.connect(**params, autocommit=autocommit)
+        raw = psycopg.connect(django_conninfo("taskboard-tests"), autocommit=autocommit)
         opened.append(raw)
         return raw
 
@@ -119,3 +113,12 @@ def _forget_cached_tokens() -> None:
     from board.api import authentication
 
     authentication._token_cache.clear()
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    """A real uvicorn serving the ASGI application on the test database (tests/live.py)."""
+    from tests.live import live_server
+
+    with live_server() as running:
+        yield running

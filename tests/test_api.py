@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 from board import transitions
 from board.models import Task, TaskEvent
 from tests.factories import TokenFactory
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer
 
 API = "/api/v1"
 
@@ -1422,12 +1422,6 @@ def test_a_large_declared_content_length_is_refused_with_413_before_reading(
 # -- Over real HTTP ---------------------------------------------------------------------
 # The stream, waiting claims and chunked bodies are handled in front of Django (the ASGI
 # application that `serve` runs), which the test client bypasses: these go through uvicorn.
-
-
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from board import transitions
 from board.models import Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -77,12 +77,6 @@ def browser() -> Iterator[Browser]:
             os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
         else:
             os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
-
-
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
 
 
 @pytest.fixture

@@ -54,12 +54,6 @@ def token_of(user: Any) -> str:
 
 
 @pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
-
-
-@pytest.fixture
 def token(fast_password_hashing: None, agent: Any) -> str:
     return token_of(agent)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -20,12 +19,6 @@ from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, StreamCollector, live_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -16,15 +15,9 @@ from django.db import connection
 from board import transitions
 from board.models import Task, TaskStatus
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from board import transitions
 from board.models import Task, TaskEvent, TaskStatus
 from taskboard.worker import Display, failure_message, parse_result
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "worker-bee"
@@ -33,12 +33,6 @@ def token_of(user: Any) -> str:
     """Return the API token of ``user`` (made on first use)."""
     token: Any = TokenFactory(user=user)
     return str(token.key)
-
-
-@pytest.fixture
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
 
 
 @pytest.fixture

@@ -54,10 +54,11 @@ def server(data_dir: str | Path) -> PostgresServer:
 
 def connection_params(data_dir: str | Path) -> dict[str, str | int]:
     """Return libpq keyword parameters (host, port, user) for the embedded server."""
-    uri = urlparse(server(data_dir).get_uri())
+    running = server(data_dir)
+    uri = urlparse(running.get_uri())
     host = parse_qs(uri.query).get("host", [uri.hostname or "localhost"])[0]
     params: dict[str, str | int] = {"host": host, "user": uri.username or "postgres"}
-    info = server(data_dir).get_postmaster_info()
+    info = running.get_postmaster_info()
     if info.port:
         params["port"] = info.port
     return params
