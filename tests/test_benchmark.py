@@ -14,7 +14,7 @@ from django.db import connection
 
 from taskboard.benchmark.harness import Figure, percentile
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 
 def test_a_figure_passes_or_fails_its_target() -> None:

@@ -42,6 +42,7 @@ CHROMIUM_ARGS = [
 PASSWORD = "secret-password"
 
 pytestmark = [
+    pytest.mark.once,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
         not CHROMIUM.exists(),

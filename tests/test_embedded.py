@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 ROOT = Path(__file__).resolve().parent.parent
 
