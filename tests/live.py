@@ -78,8 +78,14 @@ class StreamCollector:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._closed = False
 
-    def __enter__(self) -> StreamCollector:
+    def start(self) -> StreamCollector:
+        """Send the request in the background, without waiting for the answer (to a server
+        that is stopped, say)."""
         self._thread.start()
+        return self
+
+    def __enter__(self) -> StreamCollector:
+        self.start()
         if not self.opened.wait(10):
             raise RuntimeError("the stream did not open")
         return self

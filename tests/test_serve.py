@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.processes import ROOT, free_port, stop, wait_until_healthy
+
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(data_dir: Path, port: int) -> subprocess.Popen[str]:
@@ -37,32 +29,6 @@ def start_server(data_dir: Path, port: int) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def wait_until_healthy(url: str, server: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(
-                f"the server exited: {server.stdout.read() if server.stdout else ''}"
-            )
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy in time")
-
-
-def stop(server: subprocess.Popen[str]) -> str:
-    server.terminate()
-    try:
-        output, _ = server.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        output, _ = server.communicate()
-    return output
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from board.models import Task, TaskEvent, TaskStatus
 from taskboard.worker import Display, failure_message, parse_result
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
+from tests.processes import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "worker-bee"
@@ -119,17 +120,6 @@ def start_worker(
 
 def python(code: str, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
-
-
-def eventually(check: Callable[[], Any], timeout: float = 10, what: str = "it") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.05)
 
 
 def status_of(task_id: int) -> str:

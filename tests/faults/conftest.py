@@ -1,0 +1,50 @@
+"""Fixtures of the fault tests: ``taskboard serve`` processes on the test database, and
+agents' tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import TokenFactory, UserFactory
+from tests.processes import ServeProcess, tests_database_url
+
+# The server processes' Django sessions carry this name (libpq's PGAPPNAME; the relay names
+# its own "taskboard-relay"), so that a test can terminate them and no other session.
+SERVER_APPLICATION_NAME = "taskboard-server"
+
+
+@pytest.fixture
+def start_serve(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """Return a function that starts ``taskboard serve`` on the test database and waits
+    until it is healthy. Every server started is stopped at teardown."""
+    servers: list[ServeProcess] = []
+
+    def start(**env: str) -> ServeProcess:
+        log = tmp_path / f"serve-{len(servers)}.log"
+        environment = {
+            "DATABASE_URL": tests_database_url(),
+            "PGAPPNAME": SERVER_APPLICATION_NAME,
+            **env,
+        }
+        server = ServeProcess(log, env=environment)
+        servers.append(server)
+        return server.wait_healthy()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def token_for(fast_password_hashing: None) -> Callable[[str], str]:
+    """Return a function that makes a user with an API token and returns the token."""
+
+    def make(username: str) -> str:
+        token: Any = TokenFactory(user=UserFactory(username=username))
+        return str(token.key)
+
+    return make

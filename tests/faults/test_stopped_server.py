@@ -1,0 +1,100 @@
+"""A server process stopped (SIGSTOP) while another serves, then continued: a stream
+resumed on it must not repeat what the client has already seen (issue 8, defect 3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import psutil
+import pytest
+from django.db import connection
+
+from board.models import TaskEvent
+from tests.live import StreamCollector
+from tests.processes import ServeProcess, eventually
+
+pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.django_db(transaction=True)]
+
+TASKS = 1_500
+
+
+def relay_backend_pid() -> int:
+    """Return the pid of the relay's LISTEN session: the first "taskboard-relay" session
+    (its replay pool, named alike, connects later and only to replay)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'taskboard-relay' ORDER BY backend_start LIMIT 1"
+        )
+        row = cursor.fetchone()
+    assert row is not None, "no relay session"
+    return int(row[0])
+
+
+@contextmanager
+def stalled(pid: int) -> Iterator[None]:
+    """Stop a PostgreSQL backend (SIGSTOP) for the block: its client waits on it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
+    start_serve: Callable[..., ServeProcess], token_for: Callable[[str], str]
+) -> None:
+    headers = {"Authorization": f"Bearer {token_for('agent-under-load')}"}
+    a, b = start_serve(), start_serve()
+    client = httpx.Client(base_url=f"{a.url}/api/v1", headers=headers, timeout=30)
+
+    def create(title: str) -> int:
+        response = client.post("/tasks/", json={"title": title})
+        assert response.status_code == 201, response.text
+        return int(response.json()["id"])
+
+    # A stream on B, so that B's relay runs and is at the head.
+    with StreamCollector(f"{b.url}/api/v1/stream/", headers) as warm:
+        create("warm up")
+        warm.get(timeout=10)
+    relay_pid = relay_backend_pid()
+    if not psutil.pid_exists(relay_pid):
+        pytest.skip("the database server is not on this machine: its session cannot be stopped")
+
+    b.pause()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            created = list(pool.map(lambda n: create(f"while B sleeps {n}"), range(TASKS)))
+        newest = TaskEvent.objects.latest("id").id
+        # B continues, but (so that the outcome does not hang on which of B's coroutines
+        # runs first) its relay's session stays stalled until the client has resumed: the
+        # relay is behind the client, as it was the moment B continued.
+        with stalled(relay_pid):
+            b.resume()
+            resumed = StreamCollector(
+                f"{b.url}/api/v1/stream/", {**headers, "Last-Event-ID": str(newest)}
+            ).start()
+            eventually(lambda: ": connected" in resumed.comments, timeout=30, what="the resume")
+            assert resumed.status == 200
+    finally:
+        b.resume()
+
+    assert len(created) == TASKS
+    try:
+        # Whatever B sends before the next event is a repeat: the client has seen it.
+        after = create("after the resume")
+        delivered = [resumed.get(timeout=30)]
+        while delivered[-1]["json"]["task_id"] != after:
+            delivered.append(resumed.get(timeout=30))
+    finally:
+        resumed.close()
+        client.close()
+    repeated = [int(event["id"]) for event in delivered[:-1]]
+    assert repeated == [], (
+        f"B sent {len(repeated)} events again, ids {repeated[0]}..{repeated[-1]} (<= {newest})"
+    )
