@@ -122,3 +122,7 @@ def server() -> Iterator[Any]:
 
     with live_server() as running:
         yield running
+
+
+# The browser's fixtures (tests/browser.py): browser, new_page, page, person.
+from tests.browser import browser, new_page, page, person  # noqa: E402, F401

