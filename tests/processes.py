@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
     "ROOT",
     "ServeProcess",
+    "WorkerProcess",
+    "cli_env",
     "eventually",
     "free_port",
     "stop",
@@ -76,6 +78,55 @@ def tests_database_url() -> str:
     from taskboard.benchmark.harness import ServerParams
 
     return ServerParams.from_django().url(connection.settings_dict["NAME"])
+
+
+class HasURL(Protocol):
+    url: str
+
+
+def cli_env(server: HasURL, token: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    env.update(TASKBOARD_URL=server.url, TASKBOARD_TOKEN=token, PYTHONUNBUFFERED="1")
+    return env
+
+
+class WorkerProcess:
+    """``taskboard work OPTIONS -- COMMAND`` running in the background, its output in a file."""
+
+    def __init__(
+        self, server: HasURL, token: str, log: Path, options: list[str], command: list[str]
+    ) -> None:
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "taskboard.cli", "work", *options, "--", *command],
+                cwd=ROOT,
+                env=cli_env(server, token),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 10) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the worker did not exit:\n{self.output}") from None
+
+    def stop(self) -> int:
+        self.terminate()
+        return self.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # The access log line of a response (uvicorn): '... "GET /healthz HTTP/1.1" 503 Service ...'.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,9 +21,8 @@ from board.models import Task, TaskEvent, TaskStatus
 from taskboard.worker import Display, failure_message, parse_result
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
-from tests.processes import eventually
+from tests.processes import ROOT, WorkerProcess, cli_env, eventually
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = "worker-bee"
 
 live = pytest.mark.django_db(transaction=True)
@@ -41,12 +39,6 @@ def token(fast_password_hashing: None) -> str:
     return token_of(UserFactory(username=WORKER))
 
 
-def cli_env(server: LiveServer, token: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
-    env.update(TASKBOARD_URL=server.url, TASKBOARD_TOKEN=token, PYTHONUNBUFFERED="1")
-    return env
-
-
 def taskboard(
     server: LiveServer, token: str, *args: str, stdin: str = ""
 ) -> subprocess.CompletedProcess[str]:
@@ -60,45 +52,6 @@ def taskboard(
         text=True,
         timeout=30,
     )
-
-
-class WorkerProcess:
-    """``taskboard work OPTIONS -- COMMAND`` running in the background, its output in a file."""
-
-    def __init__(
-        self, server: LiveServer, token: str, log: Path, options: list[str], command: list[str]
-    ) -> None:
-        self.log = log
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "taskboard.cli", "work", *options, "--", *command],
-                cwd=ROOT,
-                env=cli_env(server, token),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    @property
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float = 10) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the worker did not exit:\n{self.output}") from None
-
-    def stop(self) -> int:
-        self.terminate()
-        return self.wait()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
