@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -256,3 +257,34 @@ class EmbeddedCluster:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGINT)
         eventually(lambda: self.postmaster_pid() is None, timeout=30, what="the shutdown")
+
+
+class StreamFollower:
+    """Follow ``GET /api/v1/stream/`` in a thread with the agent's client
+    (``taskboard.client.Client.stream``, which reconnects with ``Last-Event-ID``), and keep
+    the ids of the events received, in order."""
+
+    def __init__(self, url: str, token: str, last_event_id: int | None = None) -> None:
+        from taskboard.client import Client
+
+        self.client = Client(url, token, retries=10, max_backoff=2.0)
+        self.last_event_id = last_event_id
+        self.ids: list[int] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StreamFollower:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for event in self.client.stream(self.last_event_id, read_timeout=30):
+                self.ids.append(event.id)
+        except Exception as exc:  # the client closed under it (close()), or a refusal
+            self.error = exc
+
+    def close(self) -> None:
+        """Close the client: the thread ends at its next read or reconnection."""
+        self.client.close()
+        self._thread.join(1)
