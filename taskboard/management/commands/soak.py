@@ -1,0 +1,87 @@
+"""``manage.py soak``: a mixed load against a fresh server, watching it for leaks
+(taskboard.benchmark.soak)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from taskboard.benchmark import soak
+from taskboard.benchmark.harness import ServerParams
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a mixed load (agents, creates, streams that connect and drop, reads) against a "
+        "'taskboard serve' started on a scratch database, printing the server's memory, "
+        "open files and database connections over time. Fails on a 5xx other than 503."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--minutes", type=float, default=10.0, help="how long to soak (default 10)"
+        )
+        parser.add_argument(
+            "--seconds", type=float, help="how long to soak, in seconds (overrides --minutes)"
+        )
+        parser.add_argument(
+            "--interval", type=float, default=10.0, help="seconds between lines (default 10)"
+        )
+        parser.add_argument("--agents", type=int, default=8, help="agent threads (default 8)")
+        parser.add_argument(
+            "--streams", type=int, default=20, help="stream clients at once (default 20)"
+        )
+        parser.add_argument("--readers", type=int, default=4, help="reader threads (default 4)")
+        parser.add_argument(
+            "--rate", type=float, default=60.0, help="tasks created per second (default 60)"
+        )
+        parser.add_argument(
+            "--output",
+            type=Path,
+            help="where to write the JSON (default TASKBOARD_DATA_DIR/soak/results.json)",
+        )
+        parser.add_argument(
+            "--database-url",
+            help="PostgreSQL server to soak on (a scratch database), instead of the configured one",
+        )
+        parser.add_argument(
+            "--prefix",
+            default="taskboard_soak",
+            help="name prefix of the scratch databases (default taskboard_soak)",
+        )
+        parser.add_argument(
+            "--keep", action="store_true", help="keep the scratch databases afterwards"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        seconds = options["seconds"] or options["minutes"] * 60
+        if seconds <= 0 or options["interval"] <= 0 or options["agents"] < 1:
+            raise CommandError("--minutes, --seconds, --interval and --agents must be positive")
+        if options["database_url"]:
+            server = ServerParams.from_url(options["database_url"])
+        else:
+            server = ServerParams.from_django()
+        output = options["output"] or Path(settings.DATA_DIR) / "soak" / "results.json"
+        try:
+            data = soak.run(
+                seconds=seconds,
+                interval=options["interval"],
+                server_params=server,
+                application_database=settings.DATABASES["default"]["NAME"],
+                output=output.resolve(),
+                in_place=not options["database_url"],
+                prefix=options["prefix"],
+                keep=options["keep"],
+                agents=options["agents"],
+                streams=options["streams"],
+                readers=options["readers"],
+                rate=options["rate"],
+                stdout=self.stdout,
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if data["server_errors"]:
+            raise CommandError(f"the load saw server errors: {data['server_errors']}")

@@ -1,0 +1,61 @@
+"""``taskboard soak`` runs its mixed load against a server it starts, prints the server's
+memory, file descriptors and connections over time, and drops its scratch databases."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+pytestmark = [pytest.mark.slow, pytest.mark.once]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_short_soak_prints_the_servers_resources_and_sees_no_server_error(
+    tmp_path: Path,
+) -> None:
+    prefix = f"soak_test_{os.getpid()}"
+    output = tmp_path / "results.json"
+    stdout = io.StringIO()
+
+    call_command(
+        "soak",
+        "--seconds",
+        "4",
+        "--interval",
+        "1",
+        "--agents",
+        "2",
+        "--streams",
+        "3",
+        "--output",
+        str(output),
+        "--prefix",
+        prefix,
+        stdout=stdout,
+    )
+
+    text = stdout.getvalue()
+    assert text.count(" req/s | RSS ") >= 4, text
+    for figure in ("server RSS", "open file descriptors", "database connections"):
+        assert figure in text
+    data = json.loads(output.read_text())
+    assert data["server_errors"] == {}
+    assert data["actions"]["create"] > 0 and data["actions"]["complete"] > 0
+    assert data["actions"]["stream"] > 0 and data["actions"]["read"] > 0
+    assert all(sample["rss_mb"] > 0 and sample["fds"] > 0 for sample in data["samples"])
+    assert max(sample["connections"] for sample in data["samples"]) >= 1
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    params.pop("context", None)
+    params.pop("prepare_threshold", None)
+    with psycopg.connect(**{**params, "dbname": "postgres"}) as conn:
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"]
+        ).fetchall()
+    assert left == []
