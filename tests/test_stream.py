@@ -260,3 +260,21 @@ def test_a_transaction_in_another_database_does_not_hold_the_stream_back(
 
     assert event["json"]["task_id"] == task.id
     assert elapsed < 1.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="board.relay.django_conninfo passes application_name twice when the database "
+    "settings name one (DATABASE_URL=...?application_name=...): TypeError, the stream "
+    "answers 500 (found by the fault tests, issue 8)",
+)
+def test_a_database_url_that_names_its_sessions_still_streams(
+    server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    monkeypatch.setitem(options, "application_name", "taskboard-web")
+
+    with StreamCollector(stream_url(server), watcher) as stream:
+        assert stream.status == 200
+        task = transitions.create(actor=agent, title="named sessions")
+        assert stream.get()["json"]["task_id"] == task.id
