@@ -151,6 +151,10 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
         if after is not None and after < subscriber.start:
             async for page in relay.replay(after, subscriber.start):
                 yield b"".join(event.sse for event in page)
+        elif after is not None:
+            # This process's relay is behind the client (it was paused, or is catching up
+            # after a lost connection): what it delivers up to ``after`` was sent already.
+            last = after
         while True:
             if subscriber.lagging:
                 # This client fell behind and its queue was dropped: replay from memory.
