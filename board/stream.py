@@ -161,7 +161,7 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
                 upto = relay.resume(subscriber)
                 async for page in relay.replay(last, upto):
                     yield b"".join(event.sse for event in page)
-                last = upto
+                last = max(last, upto)
             try:
                 first = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_SECONDS)
             except TimeoutError:
@@ -171,7 +171,7 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
             live = [event for event in queued if event is not None]
             chunk = b"".join(event.sse for event in live if event.cursor > last)
             if live:
-                last = live[-1].cursor
+                last = max(last, live[-1].cursor)
             if chunk:
                 yield chunk
             if len(live) < len(queued):
