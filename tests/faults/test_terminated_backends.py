@@ -165,6 +165,7 @@ def test_terminated_backends_lose_no_event_and_answer_503_not_500(
 
     in_database = set(Task.objects.filter(queue=QUEUE).values_list("id", flat=True))
     assert set(acknowledged) <= in_database, "an acknowledged create is lost"
+    assert refused == [], "the client's retries did not cope"
     assert set(statuses) <= {200, 503}, f"answers under the faults: {statuses}"
     assert server.server_errors() == []
     assert terminated["taskboard-relay"] >= 3, terminated
