@@ -1,5 +1,6 @@
-"""Real processes for end-to-end and fault tests: ``taskboard serve`` in a subprocess, and
-waiting for a condition with a deadline (never a fixed sleep as an assertion)."""
+"""Real processes for end-to-end and fault tests: ``taskboard serve`` and ``taskboard work``
+in subprocesses, an embedded PostgreSQL seen from outside, a stream followed by the agent's
+client, and waiting for a condition with a deadline (never a fixed sleep as an assertion)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "ROOT",
+    "EmbeddedCluster",
     "ServeProcess",
+    "StreamFollower",
     "WorkerProcess",
     "cli_env",
     "eventually",
