@@ -39,7 +39,7 @@ from taskboard.client import (
     Unavailable,
     ValidationError,
 )
-from tests.factories import TokenFactory
+from tests.factories import TokenFactory, grant
 from tests.live import LiveServer, free_port, live_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def other_board(
 
 @pytest.fixture
 def staff_board(server: LiveServer, fast_password_hashing: None, staff: Any) -> Iterator[Client]:
-    with Client(server.url, token_of(staff)) as client:
+    with Client(server.url, token_of(grant(staff, "escalations.triage_task"))) as client:
         yield client
 
 

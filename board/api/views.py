@@ -14,6 +14,7 @@ from rest_framework.utils.urls import replace_query_param
 
 from board import transitions, waiting
 from board.api import serializers as s
+from board.api.permissions import MayTriage
 from board.models import Task, TaskEvent
 
 ERRORS_400 = {400: OpenApiResponse(s.ValidationErrorSerializer, description="Invalid input.")}
@@ -30,7 +31,12 @@ ERRORS_409_TRANSITION = {
         description="invalid_transition: the task's status does not allow this action.",
     )
 }
-ERRORS_403 = {403: OpenApiResponse(s.ErrorSerializer, description="Staff only.")}
+ERRORS_403 = {
+    403: OpenApiResponse(
+        s.ErrorSerializer,
+        description="permission_denied: staff with the escalations.triage_task permission only.",
+    )
+}
 
 
 def keyset_page(
@@ -236,7 +242,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def requeue(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.requeue, s.NoteSerializer)
 
@@ -251,7 +257,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def resolve(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.resolve, s.ResolveSerializer)
 
@@ -266,7 +272,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def cancel(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.cancel, s.NoteSerializer)
 
