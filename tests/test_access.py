@@ -5,17 +5,23 @@ the other tasks are in "theirs"."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
+import httpx
 import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 
+from board import stream as stream_module
 from board import transitions
 from board.access import EVERY_QUEUE, QueueAccess, limit_queues, queue_access
 from board.models import Task, TaskEvent
-from tests.factories import StaffFactory, UserFactory, grant
+from tests.factories import StaffFactory, TokenFactory, UserFactory, grant
+from tests.live import LiveServer, StreamCollector
 
 API = "/api/v1"
 
@@ -381,3 +387,158 @@ def test_the_user_list_shows_each_users_queues(admin_client: Client, limited: An
 
     assert "mine, ours" in page
     assert "every queue" in page
+
+
+# -- The stream and waiting claims, on a live server -------------------------------------
+
+live = pytest.mark.django_db(transaction=True)
+
+
+def headers_of(user: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TokenFactory(user=user).key}"}
+
+
+def make_history(agent: Any, queue: str, title: str) -> list[int]:
+    """Create, claim and complete a task in ``queue``; return the ids of its 3 events."""
+    task = transitions.create(actor=agent, title=title, queue=queue)
+    [claim] = transitions.claim(actor=agent, queues=[queue])
+    transitions.complete(task_id=task.pk, actor=agent, lease_token=claim.lease_token)
+    return list(TaskEvent.objects.filter(task=task).order_by("id").values_list("id", flat=True))
+
+
+@live
+def test_a_limited_agents_stream_never_carries_another_queues_event(
+    server: LiveServer, limited: Any, agent: Any
+) -> None:
+    url = f"{server.url}/api/v1/stream/"
+    with (
+        StreamCollector(url, headers_of(limited)) as limited_stream,
+        StreamCollector(url, headers_of(agent)) as full_stream,
+    ):
+        expected = []
+        for n in range(3):
+            make_history(agent, "theirs", f"theirs {n}")
+            expected += make_history(agent, "mine", f"mine {n}")
+        make_history(agent, "theirs", "theirs last")
+        everything = full_stream.take(21, timeout=30)
+        # The full stream has the last event: the limited one has had its chance at it.
+        seen = limited_stream.take(len(expected), timeout=30)
+        assert limited_stream.nothing_within(1.0)
+
+    assert [int(event["id"]) for event in seen] == expected
+    assert {event["json"]["task_id"] for event in everything} > {
+        event["json"]["task_id"] for event in seen
+    }
+
+
+@live
+@pytest.mark.parametrize("resume", ["after an event", "from the start"])
+def test_a_limited_agents_resumed_stream_replays_only_its_queues(
+    server: LiveServer, limited: Any, agent: Any, resume: str
+) -> None:
+    url = f"{server.url}/api/v1/stream/"
+    first = make_history(agent, "mine", "before")
+    missed: list[int] = []
+    for n in range(3):
+        make_history(agent, "theirs", f"theirs {n}")
+        missed += make_history(agent, "ours", f"ours {n}")
+    after = first[-1] if resume == "after an event" else 0
+    expected = missed if after else first + missed
+
+    with StreamCollector(url, {**headers_of(limited), "Last-Event-ID": str(after)}) as stream:
+        replayed = stream.take(len(expected), timeout=30)
+        assert stream.nothing_within(1.0)
+
+    assert [int(event["id"]) for event in replayed] == expected
+
+
+@live
+def test_a_limited_stream_gets_keep_alives_while_other_queues_are_busy(
+    server: LiveServer, limited: Any, agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_module, "KEEPALIVE_SECONDS", 0.5)
+    with StreamCollector(f"{server.url}/api/v1/stream/", headers_of(limited)) as stream:
+        # An event every 0.1 s, none of them for this stream: its queue is never idle.
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            transitions.create(actor=agent, title="busy", queue="theirs")
+            time.sleep(0.1)
+        comments = list(stream.comments)
+
+    assert stream.events.empty()
+    assert comments.count(": keep-alive") >= 2
+
+
+def claim_in_background(
+    server: LiveServer, headers: dict[str, str], **body: Any
+) -> Future[tuple[httpx.Response, float]]:
+    """Send a claim from a thread; the future holds its response and when it came."""
+    future: Future[tuple[httpx.Response, float]] = Future()
+
+    def run() -> None:
+        try:
+            response = httpx.post(
+                f"{server.url}/api/v1/tasks/claim/", json=body, headers=headers, timeout=90
+            )
+            future.set_result((response, time.monotonic()))
+        except Exception as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def settle() -> None:
+    """Give a just-sent claim time to make its first (empty) attempt and start waiting."""
+    time.sleep(1.0)
+
+
+@live
+def test_a_limited_waiting_claim_is_handed_only_its_own_queues_work(
+    server: LiveServer, limited: Any, agent: Any
+) -> None:
+    claim = claim_in_background(server, headers_of(limited), wait=20)
+    settle()
+
+    transitions.create(actor=agent, title="not yours", queue="theirs")
+    time.sleep(1.0)
+    assert not claim.done()
+    mine = transitions.create(actor=agent, title="yours", queue="mine")
+    response, _ = claim.result(timeout=30)
+
+    assert [task["id"] for task in response.json()["tasks"]] == [mine.pk]
+    assert "taskboard-claim-queues" not in response.headers
+
+
+@live
+def test_a_limited_waiter_does_not_take_the_wake_up_of_a_claim_that_may_have_the_task(
+    server: LiveServer, limited: Any, agent: Any
+) -> None:
+    # The limited claim waits first, so it is first in line for every queue it waits for.
+    limited_claim = claim_in_background(server, headers_of(limited), wait=30)
+    settle()
+    other_claim = claim_in_background(server, headers_of(UserFactory(username="free")), wait=30)
+    settle()
+
+    created_at = time.monotonic()
+    theirs = transitions.create(actor=agent, title="for the other one", queue="theirs")
+    response, answered_at = other_claim.result(timeout=40)
+
+    assert [task["id"] for task in response.json()["tasks"]] == [theirs.pk]
+    # Woken, not found at the end of its wait (30 s).
+    assert answered_at - created_at < 10
+    assert not limited_claim.done()
+
+
+@live
+def test_a_limited_waiting_claim_for_another_queue_is_refused_at_once(
+    server: LiveServer, limited: Any
+) -> None:
+    started = time.monotonic()
+    response, answered_at = claim_in_background(
+        server, headers_of(limited), wait=30, queues=["theirs"]
+    ).result(timeout=40)
+
+    assert response.status_code == 403
+    assert response.json()["error"] == "forbidden_queue"
+    assert answered_at - started < 10
