@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
 from board import stream as stream_module
@@ -113,6 +115,29 @@ def test_lifting_a_limit_gives_every_queue_again(limited: Any) -> None:
     limit_queues(limited, None)
 
     assert queue_access(UserFactory(username=limited.username)) == EVERY_QUEUE
+
+
+def test_an_agents_limit_costs_no_query_while_its_token_is_cached(
+    limited_api: APIClient, mine: Any
+) -> None:
+    get(limited_api, "tasks/")
+
+    with CaptureQueriesContext(connection) as queries:
+        response = get(limited_api, "tasks/")
+
+    assert [t["id"] for t in response.json()["results"]] == [mine.pk]
+    assert not [q for q in queries.captured_queries if "queue_limits" in q["sql"]]
+
+
+def test_a_changed_limit_applies_once_the_token_is_looked_up_again(
+    limited_api: APIClient, limited: Any, mine: Any, theirs: Any, settings: Any
+) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    assert [t["id"] for t in get(limited_api, "tasks/").json()["results"]] == [mine.pk]
+
+    limit_queues(UserFactory(username=limited.username), ["theirs"])
+
+    assert [t["id"] for t in get(limited_api, "tasks/").json()["results"]] == [theirs.pk]
 
 
 # -- Claim -------------------------------------------------------------------------------
