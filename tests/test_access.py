@@ -4,11 +4,13 @@ the other tasks are in "theirs"."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,6 +24,7 @@ from board import stream as stream_module
 from board import transitions
 from board.access import EVERY_QUEUE, QueueAccess, limit_queues, queue_access
 from board.models import Task, TaskEvent
+from board.waiting import WaitingRoom
 from tests.factories import StaffFactory, TokenFactory, UserFactory, grant
 from tests.live import LiveServer, StreamCollector
 
@@ -516,6 +519,18 @@ def claim_in_background(
 def settle() -> None:
     """Give a just-sent claim time to make its first (empty) attempt and start waiting."""
     time.sleep(1.0)
+
+
+def test_a_wake_up_that_came_before_a_waiter_was_narrowed_is_passed_on() -> None:
+    async def scenario() -> tuple[bool, bool, str | None]:
+        room = WaitingRoom(SimpleNamespace(listeners=set()))  # type: ignore[arg-type]
+        limited_waiter, other = room.enter(None), room.enter(None)
+        # Woken for "theirs" while its first attempt ran, before Django named its queues.
+        room.wake_one("theirs")
+        room.narrow(limited_waiter, frozenset({"mine"}))
+        return limited_waiter.woken.is_set(), other.woken.is_set(), other.woken_for
+
+    assert asyncio.run(scenario()) == (False, True, "theirs")
 
 
 @live
