@@ -8,7 +8,6 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import transaction
 from rest_framework.authtoken.models import Token
 
 from board.access import limit_queues, queue_access
@@ -66,20 +65,18 @@ class Command(BaseCommand):
             User._meta.get_field(User.USERNAME_FIELD).clean(name, None)  # type: ignore[union-attr]
         except ValidationError as exc:
             raise CommandError(f"{name!r} is not a valid username: {exc}") from exc
-        with transaction.atomic():
-            user, created = User.objects.get_or_create(defaults=None, **{User.USERNAME_FIELD: name})
-            if created:
-                user.set_unusable_password()
-                user.save(update_fields=["password"])
-            if limit is not None or all_queues:
-                access = limit_queues(user, limit)
-            else:
-                access = queue_access(user)
-        token, _ = Token.objects.get_or_create(user=user)
-        verb = "Created" if created else "Reusing"
+        user, created = User.objects.get_or_create(defaults=None, **{User.USERNAME_FIELD: name})
+        if created:
+            user.set_unusable_password()
+            user.save(update_fields=["password"])
+        # The names were checked above, before anything was written.
+        access = limit_queues(user, limit) if limit or all_queues else queue_access(user)
         if access.queues is None:
             self.stdout.write(f"Agent {name!r} may use every queue.")
         else:
             self.stdout.write(f"Agent {name!r} is limited to: {', '.join(sorted(access.queues))}.")
+
+        token, _ = Token.objects.get_or_create(user=user)
+        verb = "Created" if created else "Reusing"
         self.stdout.write(f"{verb} agent {name!r}. Its token, for 'Authorization: Bearer <token>':")
         self.stdout.write(token.key)
