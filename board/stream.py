@@ -166,8 +166,8 @@ async def events(
     """Yield the SSE byte stream: a replay after ``after`` (if given), then live events,
     of the queues ``access`` allows."""
 
-    def sse(events: list[StreamEvent]) -> bytes:
-        return b"".join(event.sse for event in events if access.allows(event.queue))
+    def sse(batch: list[StreamEvent]) -> bytes:
+        return b"".join(event.sse for event in batch if access.allows(event.queue))
 
     subscriber = relay.subscribe()
     try:
