@@ -23,7 +23,7 @@ from rest_framework.test import APIClient
 from board import stream as stream_module
 from board import transitions
 from board.access import EVERY_QUEUE, QueueAccess, limit_queues, queue_access
-from board.models import Task, TaskEvent
+from board.models import QueueLimit, Task, TaskEvent
 from board.waiting import WaitingRoom
 from tests.factories import StaffFactory, TokenFactory, UserFactory, grant
 from tests.live import LiveServer, StreamCollector
@@ -395,16 +395,18 @@ def test_staff_set_and_lift_a_limit_on_the_users_admin_page(
         "queue_limit-MIN_NUM_FORMS": "0",
         "queue_limit-MAX_NUM_FORMS": "1",
         "queue_limit-0-user": str(limited.pk),
-        "queue_limit-0-queues": "video, audio",
+        "queue_limit-0-queues": "video, audio, video",
     }
 
     changed = admin_client.post(url, form)
+    after_change = QueueLimit.objects.get(user=limited).queues
     refused = admin_client.post(url, {**form, "queue_limit-0-queues": "Not A Queue"})
     lifted = admin_client.post(url, {**form, "queue_limit-0-DELETE": "on"})
 
     assert page.status_code == 200
     assert "mine,ours" in page.content.decode()
     assert changed.status_code == 302, changed.context and changed.context["errors"]
+    assert after_change == ["audio", "video"]
     assert refused.status_code == 200  # the form again, with the error
     assert lifted.status_code == 302
     assert queue_access(UserFactory(username=limited.username)) == EVERY_QUEUE
