@@ -43,6 +43,7 @@ __all__ = [
     "Client",
     "Conflict",
     "Event",
+    "ForbiddenQueue",
     "InvalidTransition",
     "Lease",
     "LeaseLost",
@@ -108,7 +109,12 @@ class AuthenticationError(TaskboardError):
 
 
 class PermissionDenied(TaskboardError):
-    """403: authenticated, but not allowed (a staff action by a non-staff user)."""
+    """403: authenticated, but not allowed (a staff action by a user who may not triage)."""
+
+
+class ForbiddenQueue(PermissionDenied):
+    """403 forbidden_queue: this agent is limited to other queues (``create_agent
+    --queues``) than the one it asked to create in, claim from or act on."""
 
 
 class NotFound(TaskboardError):
@@ -147,6 +153,7 @@ _BY_STATUS: dict[int, type[TaskboardError]] = {
 _BY_CODE: dict[str, type[TaskboardError]] = {
     "lease_lost": LeaseLost,
     "invalid_transition": InvalidTransition,
+    "forbidden_queue": ForbiddenQueue,
 }
 
 

@@ -38,6 +38,7 @@ from taskboard.client import (
     AuthenticationError,
     ClaimedTask,
     Client,
+    ForbiddenQueue,
     Lease,
     LeaseLost,
     PayloadTooLarge,
@@ -407,6 +408,14 @@ class Worker:
                     lease_seconds=self.options.lease_seconds,
                     wait=self.options.wait,
                 )
+            except ForbiddenQueue as exc:
+                # Retrying cannot help: the agent's token is limited to other queues.
+                self.display.log(
+                    f"cannot claim: {exc.detail} Choose the queues with --queue; an agent's "
+                    "queues are set with 'taskboard create_agent NAME --queues ...'."
+                )
+                self._fatal = exc
+                return
             except (AuthenticationError, PermissionDenied, ValidationError) as exc:
                 self.display.log(f"cannot claim: {exc}")
                 self._fatal = exc

@@ -7,6 +7,7 @@ from typing import Any
 
 import factory
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 
 from board import transitions
@@ -25,6 +26,19 @@ class UserFactory(factory.django.DjangoModelFactory):
 class StaffFactory(UserFactory):
     username = factory.Sequence(lambda n: f"human-{n}")
     is_staff = True
+
+
+def grant(user: Any, *permissions: str) -> Any:
+    """Give ``user`` each of ``permissions`` ("app_label.codename"); return the user."""
+    for name in permissions:
+        app_label, codename = name.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+    # Django caches a user's permissions on the object: drop that so the grant shows.
+    for cache in ("_perm_cache", "_user_perm_cache"):
+        user.__dict__.pop(cache, None)
+    return user
 
 
 class TokenFactory(factory.django.DjangoModelFactory):

@@ -22,12 +22,14 @@ from django.db import connection, transaction
 
 import taskboard.client as client_module
 from board import transitions
+from board.access import limit_queues
 from board.models import Task as TaskRow
 from taskboard.client import (
     AuthenticationError,
     ClaimedTask,
     Client,
     Event,
+    ForbiddenQueue,
     InvalidTransition,
     Lease,
     LeaseLost,
@@ -39,7 +41,7 @@ from taskboard.client import (
     Unavailable,
     ValidationError,
 )
-from tests.factories import TokenFactory
+from tests.factories import TokenFactory, UserFactory, grant
 from tests.live import LiveServer, free_port, live_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +76,7 @@ def other_board(
 
 @pytest.fixture
 def staff_board(server: LiveServer, fast_password_hashing: None, staff: Any) -> Iterator[Client]:
-    with Client(server.url, token_of(staff)) as client:
+    with Client(server.url, token_of(grant(staff, "escalations.triage_task"))) as client:
         yield client
 
 
@@ -228,6 +230,24 @@ def test_staff_requeue_resolve_and_cancel_and_agents_may_not(
         "invalid_transition",
         "pending",
     )
+
+
+@live
+def test_a_limited_agent_gets_forbidden_queue_a_permission_denied_with_that_code(
+    server: LiveServer, fast_password_hashing: None
+) -> None:
+    agent = UserFactory(username="images-only")
+    limit_queues(agent, ["images"])
+
+    with Client(server.url, token_of(agent)) as limited:
+        with pytest.raises(PermissionDenied) as refused:
+            limited.claim(queues=["video"])
+        created = limited.create("fine", queue="images")
+
+    assert isinstance(refused.value, ForbiddenQueue)
+    assert (refused.value.status, refused.value.code) == (403, "forbidden_queue")
+    assert "video" in refused.value.detail and "images" in refused.value.detail
+    assert created.queue == "images"
 
 
 @live
@@ -613,6 +633,7 @@ def test_503_after_the_retries_raises_unavailable_with_the_servers_detail(
         ),
         (401, {"error": "not_authenticated", "detail": "Log in."}, AuthenticationError),
         (403, {"error": "permission_denied", "detail": "Staff only."}, PermissionDenied),
+        (403, {"error": "forbidden_queue", "detail": "Not yours."}, ForbiddenQueue),
         (404, {"error": "not_found", "detail": "No task."}, NotFound),
         (409, {"error": "lease_lost", "detail": "Stop.", "status": "done"}, LeaseLost),
         (

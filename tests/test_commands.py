@@ -11,6 +11,8 @@ from django.core.management import CommandError, call_command
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from board.models import QueueLimit
+
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fast_password_hashing")]
 
 
@@ -94,3 +96,77 @@ def test_drf_create_token_gives_a_human_a_working_token(staff: Any) -> None:
     assert token in output
     response = client_with(token).get("/api/v1/tasks/")
     assert response.status_code == 200, response.content
+
+
+# -- create_agent --queues: agents limited to queues ---------------------------------------
+
+
+def limit_of(name: str) -> list[str] | None:
+    return QueueLimit.objects.filter(user__username=name).values_list("queues", flat=True).first()
+
+
+def test_create_agent_without_queues_makes_an_agent_of_every_queue() -> None:
+    run("create_agent", "bot-1")
+
+    assert limit_of("bot-1") is None
+
+
+def test_create_agent_with_queues_limits_the_agent_to_them() -> None:
+    output = run("create_agent", "bot-1", "--queues", "images, video,images")
+
+    assert limit_of("bot-1") == ["images", "video"]
+    assert "images, video" in output
+    token = output.strip().splitlines()[-1]
+    assert Token.objects.filter(user__username="bot-1", key=token).exists()
+
+
+def test_create_agent_run_again_with_queues_changes_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    run("create_agent", "bot-1", "--queues", "video,audio")
+
+    assert limit_of("bot-1") == ["audio", "video"]
+
+
+def test_create_agent_run_again_without_queues_keeps_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    output = run("create_agent", "bot-1")
+
+    assert limit_of("bot-1") == ["images"]
+    assert "images" in output
+
+
+def test_create_agent_with_all_queues_lifts_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    output = run("create_agent", "bot-1", "--all-queues")
+
+    assert limit_of("bot-1") is None
+    assert "every queue" in output
+
+
+@pytest.mark.parametrize("queues", ["", " , ", "Images", "no spaces", "a/b", "x" * 65])
+def test_create_agent_refuses_queues_that_are_no_queue_names(queues: str) -> None:
+    with pytest.raises(CommandError):
+        run("create_agent", "bot-1", "--queues", queues)
+
+    assert not get_user_model().objects.exists()
+    assert not QueueLimit.objects.exists()
+
+
+def test_create_agent_refuses_queues_and_all_queues_together() -> None:
+    with pytest.raises(CommandError):
+        run("create_agent", "bot-1", "--queues", "a", "--all-queues")
+
+
+def test_the_limit_create_agent_sets_is_what_the_api_applies() -> None:
+    token = run("create_agent", "bot-1", "--queues", "images").strip().splitlines()[-1]
+    client = client_with(token)
+
+    allowed = client.post("/api/v1/tasks/", {"title": "a", "queue": "images"}, format="json")
+    refused = client.post("/api/v1/tasks/", {"title": "b", "queue": "video"}, format="json")
+
+    assert allowed.status_code == 201, allowed.content
+    assert refused.status_code == 403
+    assert refused.json()["error"] == "forbidden_queue"
