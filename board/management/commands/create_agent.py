@@ -1,4 +1,8 @@
-"""``manage.py create_agent NAME``: create (or reuse) an agent user and print its API token."""
+"""``manage.py create_agent NAME``: create (or reuse) an agent user and print its API token.
+
+Tokens are stored hashed, so an existing agent's token cannot be shown again: run for an
+agent that exists, the command issues a new token, and the old one stops working.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from rest_framework.authtoken.models import Token
+
+from access import tokens
 
 
 class Command(BaseCommand):
-    help = "Create (or reuse) the user NAME and print its API token as the last line."
+    help = (
+        "Create (or reuse) the user NAME and print a new API token as the last line "
+        "(for an existing agent, this replaces its token)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the agent's username")
@@ -28,7 +36,15 @@ class Command(BaseCommand):
         if created:
             user.set_unusable_password()
             user.save(update_fields=["password"])
-        token, _ = Token.objects.get_or_create(user=user)
-        verb = "Created" if created else "Reusing"
-        self.stdout.write(f"{verb} agent {name!r}. Its token, for 'Authorization: Bearer <token>':")
-        self.stdout.write(token.key)
+        token = tokens.issue(user)
+        if created:
+            self.stdout.write(
+                f"Created agent {name!r}. Its token (shown once), "
+                "for 'Authorization: Bearer <token>':"
+            )
+        else:
+            self.stdout.write(
+                f"Reusing agent {name!r} with a new token (the old one no longer works), "
+                "shown once, for 'Authorization: Bearer <token>':"
+            )
+        self.stdout.write(str(token.key))
