@@ -347,3 +347,24 @@ def test_the_stream_lets_a_valid_token_in_and_counts_nothing(
             assert response.status_code == 200
 
     assert not AuthFailure.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_python_client_raises_throttled_with_the_wait(
+    server: LiveServer, agent: Any, settings: Any
+) -> None:
+    from taskboard.client import AuthenticationError, Client, Throttled
+
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 1
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    with Client(server.url, "wrong", retries=0) as stranger, pytest.raises(AuthenticationError):
+        stranger.list_tasks()
+    with Client(server.url, token, retries=0) as board:
+        with pytest.raises(Throttled) as refused:
+            board.claim()
+        with pytest.raises(Throttled):
+            next(board.stream())
+
+    assert refused.value.status == 429 and refused.value.code == "throttled"
+    assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
