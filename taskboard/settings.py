@@ -211,6 +211,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "board.api.schema.add_stream_endpoint",
+        "board.api.schema.add_throttled_responses",
     ],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "board.models.TaskStatus",
