@@ -368,3 +368,67 @@ def test_the_python_client_raises_throttled_with_the_wait(
 
     assert refused.value.status == 429 and refused.value.code == "throttled"
     assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
+
+
+@pytest.fixture
+def serve_process(tmp_path: Any) -> Iterator[str]:
+    """``taskboard serve`` in a process of its own, on the test database; yield its URL."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from urllib.parse import quote
+
+    from tests.live import free_port
+
+    params = connection.get_connection_params()
+    host = quote(str(params.get("host") or "127.0.0.1"), safe="")
+    url = f"postgresql://{params['user']}@{host}:{params.get('port', 5432)}/{params['dbname']}"
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": url, "TASKBOARD_DATA_DIR": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--no-migrate", "--port", str(port)],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "the server process exited"
+            assert time.monotonic() < deadline, "the server process did not start"
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@pytest.mark.django_db(transaction=True)
+def test_failures_through_two_server_processes_add_up(
+    server: LiveServer, serve_process: str, agent: Any
+) -> None:
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    bad = {"Authorization": "Bearer wrong"}
+    for n in range(30):
+        url = server.url if n % 2 else serve_process
+        assert httpx.get(f"{url}/api/v1/tasks/", headers=bad).status_code == 401
+
+    # Either process alone has seen 15: the limit holds because the count is shared.
+    for url in (server.url, serve_process):
+        response = httpx.get(f"{url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
+        assert response.status_code == 429, response.text
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
