@@ -32,6 +32,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     change_form_template = "admin/access/apitoken/change_form.html"
 
     fields = ("user", "created")
+    raw_id_fields = ("user",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # A token is never edited: it is issued (pick the user), rotated or deleted.

@@ -180,6 +180,19 @@ def test_staff_issue_a_token_for_a_user_that_has_none(token_admin: Client, agent
 
 
 @pytest.mark.django_db
+def test_adding_a_token_for_a_user_that_has_one_replaces_nothing(
+    token_admin: Client, agent: Any
+) -> None:
+    old = str(TokenFactory(user=agent).key)
+
+    response = token_admin.post(reverse("admin:access_apitoken_add"), {"user": agent.pk})
+
+    assert response.status_code == 200 and "issued" not in response.context
+    assert "already exists" in response.content.decode()
+    assert api_client(old).get("/api/v1/tasks/").status_code == 200
+
+
+@pytest.mark.django_db
 def test_staff_without_the_permission_cannot_rotate(agent: Any) -> None:
     TokenFactory(user=agent)
     client = Client()
