@@ -3,8 +3,8 @@
 After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stream, failed
 logins at /admin/login/ and /accounts/login/) from one address within a window of
 TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS, every request from that address that would
-authenticate answers ``429 {"error": "throttled"}`` with ``Retry-After`` until the window
-ends, even one carrying a valid token: otherwise a guesser would learn from the status
+authenticate answers ``429 {"error": "throttled"}`` (a page at the login forms) with
+``Retry-After`` until the window ends, even one carrying a valid token: otherwise a guesser would learn from the status
 which guess was right. Successful requests count nothing, so a client that only ever
 authenticates successfully is never throttled.
 
@@ -105,6 +105,18 @@ def throttled(seconds: int) -> JsonResponse:
     return response
 
 
+def page(seconds: int) -> HttpResponse:
+    """Return the 429 answer for a person at a login form: a page, with ``Retry-After``."""
+    response = HttpResponse(
+        "<!doctype html><title>Too many failed logins · Taskboard</title>"
+        "<h1>Too many failed logins</h1>"
+        f"<p>Too many failed logins came from your address. Try again in {seconds} seconds.</p>",
+        status=429,
+    )
+    response["Retry-After"] = str(seconds)
+    return response
+
+
 def address_of(request: HttpRequest) -> str:
     return str(request.META.get("REMOTE_ADDR") or "")
 
@@ -143,7 +155,7 @@ class FailedAuthenticationThrottle:
             logger.warning("database unavailable: %s", exc)
             return database_unavailable()
         if seconds is not None:
-            return throttled(seconds)
+            return throttled(seconds) if request.path.startswith(API_PREFIX) else page(seconds)
         response = self.get_response(request)
         if response.status_code == 401:
             try:
