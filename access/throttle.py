@@ -4,9 +4,9 @@ After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stre
 logins at /admin/login/ and /accounts/login/) from one address within a window of
 TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS, every request from that address that would
 authenticate answers ``429 {"error": "throttled"}`` (a page at the login forms) with
-``Retry-After`` until the window ends, even one carrying a valid token: otherwise a guesser would learn from the status
-which guess was right. Successful requests count nothing, so a client that only ever
-authenticates successfully is never throttled.
+``Retry-After`` until the window ends, even one carrying a valid token: otherwise a
+guesser would learn from the status which guess was right. Successful requests count
+nothing, so a client that only ever authenticates successfully is never throttled.
 
 The counts live in PostgreSQL (the UNLOGGED ``auth_failures`` table, one upsert per
 failure), not in process memory, so that N processes on one database enforce one limit.

@@ -118,6 +118,34 @@ def test_drf_tokens_keep_working_after_the_migration_hashes_them(settings: Any) 
     )
 
 
+@pytest.mark.django_db
+def test_migrating_a_database_with_drf_tokens_hashes_them(settings: Any) -> None:
+    from django.db.migrations.executor import MigrationExecutor
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    user = UserFactory(username="older-agent")
+    key = "fedcba9876543210fedcba9876543210fedcba98"
+    executor = MigrationExecutor(connection)
+    executor.migrate([("access", None)])  # back to before this app: no api_tokens
+    assert "api_tokens" not in connection.introspection.table_names()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, "
+            "created timestamptz NOT NULL, user_id integer NOT NULL UNIQUE)"
+        )
+        cursor.execute("INSERT INTO authtoken_token VALUES (%s, now(), %s)", [key, user.pk])
+
+    executor = MigrationExecutor(connection)
+    executor.migrate([("access", "0001_initial")])
+
+    assert "authtoken_token" not in connection.introspection.table_names()
+    assert tables_holding(key) == []
+    assert api_client(key).get("/api/v1/tasks/").status_code == 200
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT relpersistence FROM pg_class WHERE relname = 'auth_failures'")
+        assert cursor.fetchone() == ("u",)  # UNLOGGED
+
+
 @pytest.fixture
 def token_admin(db: None) -> Client:
     client = Client()
