@@ -24,6 +24,7 @@ import bisect
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -141,6 +142,9 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
 
 
 class Relay:
+    MIN_BACKOFF = 0.1  # seconds before the first reconnect after a loss, doubling to
+    MAX_BACKOFF = 5.0
+
     def __init__(
         self,
         conninfo: str,
@@ -148,6 +152,7 @@ class Relay:
         buffer_size: int = 10_000,
         subscriber_queue: int = 1_000,
         batch: int = 1_000,
+        healthy_after: float = 5.0,
     ) -> None:
         self.conninfo = conninfo
         # The most recent events, complete for every cursor after buffer_floor.
@@ -161,6 +166,9 @@ class Relay:
         self.subscriber_queue = subscriber_queue
         self.batch = batch
         self.reconnects = 0
+        # Seconds a connection must have lived for its loss to reset the reconnect delay.
+        self.healthy_after = healthy_after
+        self._listening_since: float | None = None
         self.backend_pid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._pool: AsyncConnectionPool | None = None
@@ -186,7 +194,7 @@ class Relay:
             self._pool = None
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = self.MIN_BACKOFF
         while True:
             try:
                 await self._listen()
@@ -195,11 +203,19 @@ class Relay:
             except (psycopg.Error, OSError) as exc:
                 self.connected.clear()
                 self.reconnects += 1
+                # _listen() only ever ends by an error. A connection that was up for a
+                # while was healthy: this loss starts a new series of short delays rather
+                # than continuing the last one's (which would leave every later loss 5 s
+                # of silence).
+                if (
+                    self._listening_since is not None
+                    and time.monotonic() - self._listening_since >= self.healthy_after
+                ):
+                    backoff = self.MIN_BACKOFF
+                self._listening_since = None
                 logger.warning("relay: connection lost (%s); reconnecting in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.1
+                backoff = min(backoff * 2, self.MAX_BACKOFF)
 
     async def _listen(self) -> None:
         async with await psycopg.AsyncConnection.connect(
@@ -217,6 +233,7 @@ class Relay:
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
             held_back = await self._catch_up(conn)
+            self._listening_since = time.monotonic()
             self.connected.set()
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
             while True:

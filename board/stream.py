@@ -170,13 +170,17 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
         if after is not None and after < subscriber.start:
             async for page in relay.replay(after, subscriber.start):
                 yield b"".join(event.sse for event in page)
+        elif after is not None:
+            # This process's relay is behind the client (it was paused, or is catching up
+            # after a lost connection): what it delivers up to ``after`` was sent already.
+            last = after
         while True:
             if subscriber.lagging:
                 # This client fell behind and its queue was dropped: replay from memory.
                 upto = relay.resume(subscriber)
                 async for page in relay.replay(last, upto):
                     yield b"".join(event.sse for event in page)
-                last = upto
+                last = max(last, upto)
             try:
                 first = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_SECONDS)
             except TimeoutError:
@@ -186,7 +190,7 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
             live = [event for event in queued if event is not None]
             chunk = b"".join(event.sse for event in live if event.cursor > last)
             if live:
-                last = live[-1].cursor
+                last = max(last, live[-1].cursor)
             if chunk:
                 yield chunk
             if len(live) < len(queued):

@@ -260,3 +260,168 @@ def test_a_transaction_in_another_database_does_not_hold_the_stream_back(
 
     assert event["json"]["task_id"] == task.id
     assert elapsed < 1.0
+
+
+def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None:
+    """Once transaction ids grow a digit (past 9,999, 99,999, ...), a head found by sorting
+    them as text would be an old event, and the board would replay the log from there.
+
+    Reaching the next digit can take millions of transactions, so the old event is
+    written as the log holds it after that: by a transaction whose id has a digit fewer,
+    all nines, which sorts after every newer id as text.
+    """
+    from board import views
+
+    old = transitions.create(actor=agent, title="long ago")
+    newest = transitions.create(actor=agent, title="now")
+    newest_event = TaskEvent.objects.get(task_id=newest.id)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_current_xact_id()::text")
+        digits = len(cursor.fetchone()[0])
+        old_txid = 10 ** (digits - 1) - 1
+        cursor.execute(
+            "INSERT INTO task_events (task_id, type, status, actor, payload, txid) "
+            "VALUES (%s, 'created', 'pending', 'system', '{}', %s::text::xid8)",
+            [old.id, str(old_txid)],
+        )
+        cursor.execute("SELECT max(txid::text) FROM task_events")
+        assert cursor.fetchone()[0] == str(old_txid), "as text, the old id sorts last"
+
+    assert views.stream_head_id(views.stream_horizon()) == newest_event.id
+
+    loop = asyncio.new_event_loop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    try:
+        loop.run_until_complete(relay.start())
+        assert relay.head is not None
+        assert relay.head.id == newest_event.id
+    finally:
+        loop.run_until_complete(relay.stop())
+        loop.close()
+
+
+def test_event_ids_past_two_to_the_31_resume_a_stream(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    from board import views
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT setval(pg_get_serial_sequence('task_events', 'id'), %s)", [2**31 + 10]
+        )
+    first = transitions.create(actor=agent, title="big id")
+    second = transitions.create(actor=agent, title="bigger id")
+    first_event = TaskEvent.objects.get(task_id=first.id)
+    second_event = TaskEvent.objects.get(task_id=second.id)
+    assert first_event.id > 2**31
+
+    assert views.stream_head_id(views.stream_horizon()) == second_event.id
+    with StreamCollector(
+        stream_url(server), {**watcher, "Last-Event-ID": str(first_event.id)}
+    ) as stream:
+        [replayed] = stream.take(1)
+        assert stream.nothing_within(0.3)
+    assert replayed["id"] == str(second_event.id)
+
+
+class BackgroundLoop:
+    """An event loop in a thread of its own, as a server process has; ``pause()`` stops it
+    dead (as SIGSTOP would stop a server) until ``resume()``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.gate = threading.Event()
+        self.thread.start()
+
+    def run(self, coroutine: Any, timeout: float = 10) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def pause(self) -> None:
+        self.gate.clear()
+        self.loop.call_soon_threadsafe(self.gate.wait)
+
+    def resume(self) -> None:
+        self.gate.set()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def sse_ids(chunks: list[bytes]) -> list[int]:
+    return [
+        int(line[4:]) for line in b"".join(chunks).decode().splitlines() if line.startswith("id: ")
+    ]
+
+
+def test_a_resume_ahead_of_a_relay_that_is_behind_repeats_nothing(agent: Any) -> None:
+    """A server process that was stopped (or lost its LISTEN connection) has a relay behind
+    the log. A client resuming there from the newest event must not be sent, as the
+    relay catches up, the events it had already received from another process."""
+    background = BackgroundLoop()
+    # Small pages: the relay catches up on the 30 events in three reads.
+    relay = relay_module.Relay(relay_module.django_conninfo(), batch=10)
+    background.run(relay.start())
+    chunks: list[bytes] = []
+    try:
+        background.pause()
+        made_elsewhere = [transitions.create(actor=agent, title=f"via A {n}") for n in range(30)]
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT txid::text, id FROM task_events ORDER BY id DESC LIMIT 1")
+            txid, newest_id = cursor.fetchone()
+        resume_from = relay_module.Cursor(int(txid), newest_id)
+        assert relay.head is not None and relay.head < resume_from
+
+        async def follow() -> None:
+            async for chunk in stream_module.events(relay, resume_from):
+                chunks.append(chunk)
+
+        following = asyncio.run_coroutine_threadsafe(follow(), background.loop)
+        background.resume()
+        deadline = time.monotonic() + 10
+        while relay.head < resume_from and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert relay.head >= resume_from, "the relay did not catch up"
+
+        after = transitions.create(actor=agent, title="after the resume")
+        after_event = TaskEvent.objects.get(task_id=after.id)
+        deadline = time.monotonic() + 10
+        while after_event.id not in sse_ids(chunks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        following.cancel()
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+    assert len(made_elsewhere) == 30
+    assert sse_ids(chunks) == [after_event.id]
+
+
+def test_the_relay_reconnects_at_once_after_every_loss_of_a_healthy_connection() -> None:
+    """The reconnect delay doubles while connecting fails, and starts over once a
+    connection has been healthy: the eighth loss in a day costs no more than the first."""
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    relay.healthy_after = 0.2
+    background.run(relay.start())
+    delays = []
+    try:
+        for _ in range(8):
+            time.sleep(0.3)  # healthy for longer than healthy_after
+            pid = relay.backend_pid
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+            lost = time.monotonic()
+            deadline = lost + 15
+            while not (relay.connected.is_set() and relay.backend_pid != pid):
+                assert time.monotonic() < deadline, "the relay did not reconnect"
+                time.sleep(0.01)
+            delays.append(time.monotonic() - lost)
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+    assert relay.reconnects == 8
+    assert max(delays) < 1.5, f"reconnect delays: {[round(d, 2) for d in delays]}"

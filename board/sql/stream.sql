@@ -10,10 +10,12 @@
 
 -- name: stream_head
 -- The cursor of the last event below the horizon (none when there is none).
-SELECT txid::text AS txid, id
-FROM task_events
-WHERE txid < %(horizon)s::xid8
-ORDER BY txid DESC, id DESC
+-- ORDER BY names the table's column: an unqualified "txid" would be the text alias of the
+-- output, which sorts '9999' after '10000' (a backward scan of task_events_txid_id_idx).
+SELECT e.txid::text AS txid, e.id
+FROM task_events e
+WHERE e.txid < %(horizon)s::xid8
+ORDER BY e.txid DESC, e.id DESC
 LIMIT 1;
 
 -- name: stream_horizon
