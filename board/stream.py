@@ -29,7 +29,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from access.throttle import Throttled, throttled
+from access import throttle
 from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
 from board.middleware import database_unavailable, error_response
 from board.relay import Cursor, Relay, get_relay
@@ -48,8 +48,6 @@ def authenticate(headers: dict[str, str], address: str = "") -> Any:
     refused before any lookup (``access.throttle.Throttled``). Runs in a worker
     thread and closes that thread's database connection before returning.
     """
-    from access import throttle
-
     try:
         throttle.check(address)
         user = _user(headers)
@@ -61,6 +59,7 @@ def authenticate(headers: dict[str, str], address: str = "") -> Any:
 
 
 def _user(headers: dict[str, str]) -> Any:
+    """Return the active user of the token or the session in ``headers``, or None."""
     from django.contrib.auth import get_user
     from django.http import HttpRequest
 
@@ -106,8 +105,8 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     address = str(client[0]) if client else ""
     try:
         user = await sync_to_async(authenticate, thread_sensitive=False)(headers, address)
-    except Throttled as exc:
-        await send_response(send, throttled(exc.seconds))
+    except throttle.Throttled as exc:
+        await send_response(send, throttle.throttled(exc.seconds))
         return
     except DatabaseError as exc:
         logger.warning("stream: database unavailable: %s", exc)
