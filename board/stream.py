@@ -31,6 +31,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from access import throttle
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
 from board.middleware import database_unavailable, error_response
@@ -43,44 +44,44 @@ KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
 
 
-def authenticate(headers: dict[str, str]) -> Any:
-    """Return the active user named by a Bearer/Token header or the session cookie, or None.
+def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAccess] | None:
+    """Return the active user named by a Bearer/Token header or the session cookie, and
+    the queues it may see; or None.
 
-    Runs in a worker thread and closes that thread's database connection before returning.
+    A failure is counted against the client ``address``; an address over the limit is
+    refused before any lookup (``access.throttle.Throttled``). Runs in a worker
+    thread and closes that thread's database connection before returning.
     """
-    from django.contrib.auth import get_user
-    from django.http import HttpRequest
-    from rest_framework.authtoken.models import Token
-
     try:
-        keyword, _, key = headers.get("authorization", "").partition(" ")
-        if keyword.lower() in {"bearer", "token"}:
-            token = Token.objects.select_related("user").filter(key=key.strip()).first()
-            return token.user if token and token.user.is_active else None
-        cookies = SimpleCookie(headers.get("cookie", ""))
-        morsel = cookies.get(settings.SESSION_COOKIE_NAME)
-        if morsel is None:
+        throttle.check(address)
+        user = _user(headers)
+        if user is None:
+            throttle.record_failure(address)
             return None
-        request = HttpRequest()
-        request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
-        user = get_user(request)
-        return user if user.is_authenticated else None
-    finally:
-        connection.close()
-
-
-def authorize(headers: dict[str, str]) -> tuple[Any, QueueAccess] | None:
-    """Return the user :func:`authenticate` finds and the queues it may see, or None.
-
-    Runs in a worker thread and closes that thread's database connection before returning.
-    """
-    user = authenticate(headers)
-    if user is None:
-        return None
-    try:
         return user, queue_access(user)
     finally:
         connection.close()
+
+
+def _user(headers: dict[str, str]) -> Any:
+    """Return the active user of the token or the session in ``headers``, or None."""
+    from django.contrib.auth import get_user
+    from django.http import HttpRequest
+
+    from access import tokens
+
+    keyword, _, key = headers.get("authorization", "").partition(" ")
+    if keyword.lower() in {"bearer", "token"}:
+        found = tokens.user_for(key.strip())
+        return found[0] if found and found[0].is_active else None
+    cookies = SimpleCookie(headers.get("cookie", ""))
+    morsel = cookies.get(settings.SESSION_COOKIE_NAME)
+    if morsel is None:
+        return None
+    request = HttpRequest()
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
+    user = get_user(request)
+    return user if user.is_authenticated else None
 
 
 def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
@@ -105,8 +106,13 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }
+    client = scope.get("client")
+    address = str(client[0]) if client else ""
     try:
-        authorized = await sync_to_async(authorize, thread_sensitive=False)(headers)
+        authorized = await sync_to_async(authorize, thread_sensitive=False)(headers, address)
+    except throttle.Throttled as exc:
+        await send_response(send, throttle.throttled(exc.seconds))
+        return
     except DatabaseError as exc:
         logger.warning("stream: database unavailable: %s", exc)
         await unavailable(send)

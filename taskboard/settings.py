@@ -78,17 +78,18 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_eventstream",
     "taskboard",
+    "access",
     "board",
     "escalations",
 ]
 
 MIDDLEWARE = [
     "board.middleware.BodySizeLimitMiddleware",
+    "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -210,6 +211,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "board.api.schema.add_stream_endpoint",
+        "board.api.schema.add_throttled_responses",
     ],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "board.models.TaskStatus",
@@ -224,6 +226,12 @@ TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
+
+# Failed authentications (401s, failed logins) an address may make in a window of this
+# many seconds; past them it is answered 429 until the window ends (access.throttle).
+# 0: no throttle.
+TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30)
+TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int("TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)
 
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)

@@ -44,6 +44,7 @@ from taskboard.client import (
     PayloadTooLarge,
     PermissionDenied,
     TaskboardError,
+    Throttled,
     ValidationError,
 )
 
@@ -421,6 +422,8 @@ class Worker:
                 self._fatal = exc
                 return
             except TaskboardError as exc:
+                if isinstance(exc, Throttled) and exc.retry_after:
+                    pause = max(pause, exc.retry_after)  # nothing gets through before that
                 self.display.log(f"claim failed: {exc}; trying again in {pause:.0f} s")
                 self._stopping.wait(pause)
                 pause = min(pause * 2, 30.0)

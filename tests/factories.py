@@ -8,8 +8,9 @@ from typing import Any
 import factory
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
-from rest_framework.authtoken.models import Token
 
+from access import tokens
+from access.models import ApiToken
 from board import transitions
 from board.models import Task
 
@@ -41,12 +42,31 @@ def grant(user: Any, *permissions: str) -> Any:
     return user
 
 
+# digest -> plain token, of the tokens TokenFactory issued (the database keeps digests only).
+_issued: dict[str, str] = {}
+
+
 class TokenFactory(factory.django.DjangoModelFactory):
+    """Return the user's API token, issuing one if it has none, with its plain ``.key``.
+
+    One token per user, as before tokens were hashed: a second call for the same user
+    returns the token the first one issued, so that two clients of one user both work.
+    """
+
     class Meta:
-        model = Token
-        django_get_or_create = ("user",)
+        model = ApiToken
 
     user = factory.SubFactory(UserFactory)
+
+    @classmethod
+    def _create(cls, model_class: type[ApiToken], *args: Any, user: Any, **kwargs: Any) -> Any:
+        existing = ApiToken.objects.filter(user=user).first()
+        if existing is not None and existing.digest in _issued:
+            existing.key = _issued[existing.digest]
+            return existing
+        token = tokens.issue(user)
+        _issued[token.digest] = str(token.key)
+        return token
 
 
 class TaskFactory(factory.Factory):

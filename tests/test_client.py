@@ -38,6 +38,7 @@ from taskboard.client import (
     PermissionDenied,
     Task,
     TaskboardError,
+    Throttled,
     Unavailable,
     ValidationError,
 )
@@ -655,6 +656,25 @@ def test_4xx_answers_are_never_retried(
     assert len(script.requests) == 1 and pauses == []
     assert (refused.value.status, refused.value.code) == (status, body["error"])
     assert refused.value.fields == body.get("fields", {})
+
+
+def test_a_throttled_answer_raises_throttled_with_retry_after_and_is_not_retried(
+    pauses: list[float],
+) -> None:
+    throttled = httpx.Response(
+        429,
+        json={"error": "throttled", "detail": "Try again in 17 seconds."},
+        headers={"Retry-After": "17"},
+    )
+    script = Script(throttled, httpx.Response(200, json=TASK_JSON))
+
+    with pytest.raises(Throttled) as refused:
+        scripted(script).complete(7, lease_token="t")
+
+    assert isinstance(refused.value, TaskboardError)
+    assert len(script.requests) == 1 and pauses == []
+    assert (refused.value.status, refused.value.code) == (429, "throttled")
+    assert refused.value.retry_after == 17.0
 
 
 def test_a_request_sent_without_an_answer_is_repeated_only_when_that_is_harmless(

@@ -1,5 +1,9 @@
 """``manage.py create_agent NAME [--queues q1,q2 | --all-queues]``: create (or reuse) an
-agent user, set the queues it is limited to (board.access), and print its API token."""
+agent user, set the queues it is limited to (board.access), and print its API token.
+
+Tokens are stored hashed, so an existing agent's token cannot be shown again: run for an
+agent that exists, the command issues a new token, and the old one stops working.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from rest_framework.authtoken.models import Token
 
+from access import tokens
 from board.access import limit_queues, queue_access
 from board.models import queue_validator
 
@@ -30,7 +34,10 @@ def queue_list(value: str) -> list[str]:
 
 
 class Command(BaseCommand):
-    help = "Create (or reuse) the user NAME and print its API token as the last line."
+    help = (
+        "Create (or reuse) the user NAME and print a new API token as the last line "
+        "(for an existing agent, this replaces its token)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the agent's username")
@@ -76,7 +83,15 @@ class Command(BaseCommand):
         else:
             self.stdout.write(f"Agent {name!r} is limited to: {', '.join(sorted(access.queues))}.")
 
-        token, _ = Token.objects.get_or_create(user=user)
-        verb = "Created" if created else "Reusing"
-        self.stdout.write(f"{verb} agent {name!r}. Its token, for 'Authorization: Bearer <token>':")
-        self.stdout.write(token.key)
+        token = tokens.issue(user)
+        if created:
+            self.stdout.write(
+                f"Created agent {name!r}. Its token (shown once), "
+                "for 'Authorization: Bearer <token>':"
+            )
+        else:
+            self.stdout.write(
+                f"Reusing agent {name!r} with a new token (the old one no longer works), "
+                "shown once, for 'Authorization: Bearer <token>':"
+            )
+        self.stdout.write(str(token.key))

@@ -12,7 +12,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
-from rest_framework.authtoken.models import Token
+
+from access import tokens
 
 
 def uses_embedded_database() -> bool:
@@ -79,7 +80,7 @@ class Command(BaseCommand):
             agent, _ = User.objects.get_or_create(username="demo-agent")
             agent.set_unusable_password()
             agent.save()
-            token, _ = Token.objects.get_or_create(user=agent)
+            token = tokens.issue(agent)
         self.stdout.write(
             self.style.SUCCESS("First run: created accounts (shown once, keep them):")
         )
