@@ -51,7 +51,10 @@ async def send_response(send: Send, response: HttpResponse) -> None:
         {
             "type": "http.response.start",
             "status": response.status_code,
-            "headers": [(k.lower().encode(), v.encode()) for k, v in response.items()],
+            "headers": [
+                *((k.lower().encode(), v.encode()) for k, v in response.items()),
+                (b"content-length", str(len(response.content)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": response.content})

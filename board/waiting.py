@@ -208,7 +208,7 @@ class WaitingClaims:
         ):
             await self.app(scope, receive, send)
             return
-        # RequestBodyLimit, in front, has checked the size; None means the client left.
+        # RequestBodyLimit, in front, has read the body already: this returns it at once.
         body = await read_body(receive, conf.MAX_BODY_BYTES)
         if body is None:
             return

@@ -9,7 +9,8 @@ own ASGI handler would run every request on a new thread, with a new connection.
   holds no worker thread and no database connection;
 - ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.waiting, which waits for
   work between claim attempts outside Django, for the same reason;
-- RequestBodyLimit refuses bodies over 1 MiB and gives chunked bodies a length;
+- RequestBodyLimit reads every body before the request takes a thread, refusing one over
+  1 MiB (413) or slower than TASKBOARD_BODY_TIMEOUT (408), and gives chunked bodies a length;
 - the lifespan protocol stops the process's event relay on shutdown.
 """
 

@@ -221,6 +221,10 @@ SPECTACULAR_SETTINGS = {
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
 TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
 
+# Seconds a request body may take to arrive in full; a slower one is refused with 408.
+# Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
+TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
+
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
