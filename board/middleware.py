@@ -1,12 +1,16 @@
-"""Request-wide policy: the body size and time limits, and a 503 when the database is down."""
+"""Request-wide policy: the body size and time limits, the Host check in front of Django,
+and a 503 when the database is down."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from django.core.exceptions import DisallowedHost
+from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
@@ -41,6 +45,25 @@ def database_unavailable() -> JsonResponse:
     response = error_response(503, "unavailable", "The database is unavailable. Try again shortly.")
     response["Retry-After"] = "5"
     return response
+
+
+def disallowed_host(scope: dict[str, Any]) -> HttpResponse | None:
+    """Return the 400 that Django answers for a Host outside ALLOWED_HOSTS, or None.
+
+    For the ASGI endpoints in front of Django (board.stream, board.waiting), which Django's
+    own check (HttpRequest.get_host) never sees. It is Django's logic, run on an ASGIRequest
+    made from the scope (X-Forwarded-Host, DEBUG's defaults and all), and Django's answer
+    (handler400), logged to the same logger.
+    """
+    from board.api.errors import bad_request
+
+    request = ASGIRequest(scope, io.BytesIO())
+    try:
+        request.get_host()
+    except DisallowedHost as exc:
+        logging.getLogger("django.security.DisallowedHost").error("%s", exc)
+        return bad_request(request, exc)
+    return None
 
 
 def is_database_outage(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 
 from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
-from board.middleware import database_unavailable, error_response
+from board.middleware import database_unavailable, disallowed_host, error_response
 from board.relay import Cursor, Relay, get_relay
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ async def unavailable(send: Send) -> None:
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI endpoint for GET /api/v1/stream/."""
+    if (refused := disallowed_host(scope)) is not None:
+        await send_response(send, refused)
+        return
     if scope["method"] not in {"GET", "HEAD"}:
         response = error_response(405, "method_not_allowed", "Use GET.")
         response["Allow"] = "GET"

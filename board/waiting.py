@@ -42,8 +42,10 @@ from board.asgi_tools import (
     Send,
     read_body,
     replaying,
+    send_response,
     until_disconnect,
 )
+from board.middleware import disallowed_host
 from board.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
@@ -207,6 +209,11 @@ class WaitingClaims:
             scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CLAIM_PATH
         ):
             await self.app(scope, receive, send)
+            return
+        # Refuse a foreign Host before the claim joins the room or starts the relay; Django
+        # would refuse each attempt anyway.
+        if (refused := disallowed_host(scope)) is not None:
+            await send_response(send, refused)
             return
         # RequestBodyLimit, in front, has read the body already: this returns it at once.
         body = await read_body(receive, conf.MAX_BODY_BYTES)
