@@ -29,7 +29,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
+from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.middleware import database_unavailable, disallowed_host, error_response
 from board.relay import Cursor, Relay, get_relay
 
@@ -135,14 +135,24 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
 
     writer = asyncio.create_task(write())
     listener = asyncio.create_task(until_disconnect(receive))
+    shutdown = asyncio.create_task(closing().wait())
     try:
-        await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {writer, listener, shutdown}, return_when=asyncio.FIRST_COMPLETED
+        )
+        # The server is shutting down while the stream is open (and the client still there).
+        stopping = done == {shutdown}
     finally:
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             task.cancel()
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await task
+    if stopping:
+        # End the response: the client reconnects (to another server, or to this one
+        # restarted) after RETRY_MILLISECONDS, and resumes after its last event.
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b""})
 
 
 async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:

@@ -40,6 +40,7 @@ from board.asgi_tools import (
     Receive,
     Scope,
     Send,
+    closing,
     read_body,
     replaying,
     send_response,
@@ -234,10 +235,13 @@ class WaitingClaims:
 
         waiter = room.enter(queues)
         disconnected = asyncio.ensure_future(until_disconnect(receive))
+        # A server shutting down answers what it has (nothing) at once: the agent claims
+        # again, from another server or this one restarted.
+        shutdown = asyncio.ensure_future(closing().wait())
         try:
             while True:
                 response = await self._attempt(scope, body)
-                if not response.claimed_nothing() or time.time() >= deadline:
+                if not response.claimed_nothing() or time.time() >= deadline or shutdown.done():
                     await response.send_to(send)
                     return
                 until = deadline
@@ -246,12 +250,19 @@ class WaitingClaims:
                     with contextlib.suppress(ValueError):
                         until = min(until, float(hint) + 0.01)
                 waiting = asyncio.ensure_future(room.wait(waiter, until))
-                await asyncio.wait({waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiting, disconnected, shutdown}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if disconnected.done():
                     waiting.cancel()
                     return
+                if shutdown.done():
+                    waiting.cancel()
+                    await response.send_to(send)
+                    return
         finally:
             disconnected.cancel()
+            shutdown.cancel()
             room.leave(waiter)
 
     async def _attempt(self, scope: Scope, body: bytes) -> CapturedResponse:

@@ -3,8 +3,12 @@
 On SIGTERM or SIGINT uvicorn shuts down gracefully: it stops accepting connections, waits
 up to ``timeout_graceful_shutdown`` for the responses in progress, runs the application's
 lifespan shutdown, and finally raises the signal again with the handler that was in place
-before it started. One part of that does not suit this application:
+before it started. Two parts of that do not suit this application:
 
+- An event stream never ends by itself, and a waiting claim only when its wait is up:
+  uvicorn would wait out the whole graceful period for them, then cancel them (logging a
+  traceback each). So the application ends them as soon as the signal arrives
+  (:func:`on_exit_signal`, used by taskboard.asgi); browsers and agents reconnect.
 - The handler in place before uvicorn, for SIGTERM, is the default one: it ends the
   process on the spot, without running the ``atexit`` functions. The embedded PostgreSQL
   package releases a process's hold on the server in one, and stops the server after the
@@ -14,10 +18,12 @@ before it started. One part of that does not suit this application:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -62,3 +68,26 @@ def run(config: Config) -> None:
             os.remove(config.uds)
     if config.workers == 1 and not server.started:
         sys.exit(STARTUP_FAILURE)
+
+
+def on_exit_signal(callback: Callable[[], None]) -> None:
+    """Call ``callback`` in the running event loop as soon as SIGINT or SIGTERM arrives,
+    before uvicorn's graceful shutdown waits for open responses.
+
+    Call it from the server's event loop once uvicorn has taken over the signals (the
+    lifespan startup): the handlers it finds are uvicorn's, and are still called. A server
+    that runs outside the main thread (tests/live.py) takes no signals: nothing to do.
+    uvicorn puts back its own predecessors when it finishes, which drops these.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in EXIT_SIGNALS:
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: FrameType | None, previous: object = previous) -> None:
+            loop.call_soon_threadsafe(callback)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(sig, handler)

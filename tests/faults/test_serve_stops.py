@@ -1,10 +1,13 @@
-"""``taskboard serve`` stopped by a signal, as a process manager stops it (issue 8, defect 6).
+"""``taskboard serve`` stopped by a signal, as a process manager stops it (issue 8, defects
+6 and 7).
 
 - SIGTERM ends the server cleanly, with status 0, and the embedded PostgreSQL stops with
   the last process holding it, with ``--workers`` too. (uvicorn used to re-raise SIGTERM
   with the default handler after its shutdown: the process died without its atexit
   functions, PostgreSQL kept running and dead pids piled up in its list of holders.)
 - A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
+- Open streams and waiting claims end at once on SIGTERM (they used to hold the shutdown
+  for the whole graceful period, then be cancelled with tracebacks).
 
 Each test runs real ``serve`` processes on one embedded data directory of their own.
 """
@@ -12,6 +15,7 @@ Each test runs real ``serve`` processes on one embedded data directory of their 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -19,8 +23,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -155,3 +161,65 @@ def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
 
     assert not alive(postmaster), "the last live holder stopped the server"
     assert holders(data_dir) == []
+
+
+class OpenStream:
+    """GET /api/v1/stream/ held open in a thread; ``ended`` resolves to when and how it
+    ended: (time.monotonic(), whether the response ended as HTTP says it should)."""
+
+    def __init__(self, serve: Serve, token: str) -> None:
+        self.opened = threading.Event()
+        self.ended: Future[tuple[float, bool]] = Future()
+        self.body = b""
+        connection = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=30)
+        connection.request("GET", "/api/v1/stream/", headers={"Authorization": f"Bearer {token}"})
+        self.response = connection.getresponse()
+        assert self.response.status == 200
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self.opened.wait(10), "the stream sent nothing"
+
+    def _read(self) -> None:
+        try:
+            while chunk := self.response.read1(65536):
+                self.body += chunk
+                self.opened.set()
+            self.ended.set_result((time.monotonic(), True))
+        except (OSError, http.client.HTTPException):  # cut off: no terminating chunk
+            self.ended.set_result((time.monotonic(), False))
+
+
+def test_sigterm_ends_open_streams_and_waiting_claims_at_once(board: tuple[Path, str]) -> None:
+    data_dir, token = board
+    serve = Serve(data_dir)
+    stream = OpenStream(serve, token)
+    claim: Future[httpx.Response] = Future()
+
+    def wait_for_work() -> None:
+        claim.set_result(
+            httpx.post(
+                f"{serve.url}/api/v1/tasks/claim/",
+                json={"wait": 60},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=90,
+            )
+        )
+
+    threading.Thread(target=wait_for_work, daemon=True).start()
+    time.sleep(1)  # the claim has made its first, empty, attempt and waits
+
+    signalled = time.monotonic()
+    serve.signal(signal.SIGTERM)
+    ended_at, clean = stream.ended.result(timeout=30)
+    answered = claim.result(timeout=30)
+    status = serve.wait()
+    stopped = time.monotonic() - signalled
+
+    assert b"retry: " in stream.body, "the client knows when to reconnect"
+    assert clean, "the stream ended as an HTTP response, not cut off"
+    assert ended_at - signalled < GRACEFUL_SECONDS / 2
+    assert answered.status_code == 200
+    assert answered.json() == {"tasks": []}
+    assert status == 0
+    assert stopped < GRACEFUL_SECONDS, "nothing waited out the graceful period"
+    assert "Traceback" not in serve.stderr()
+    assert "CancelledError" not in serve.stderr()
