@@ -25,7 +25,7 @@ from tests.live import LiveServer
 pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 
 SLOW_CLIENTS = 6  # more than TASKBOARD_THREADS
-BODY_TIMEOUT = 6
+BODY_TIMEOUT = 8
 
 
 class SlowBody:
