@@ -33,8 +33,8 @@ from django.db import DatabaseError, connection
 
 from access import throttle
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
-from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
-from board.middleware import database_unavailable, error_response
+from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
+from board.middleware import database_unavailable, disallowed_host, error_response
 from board.relay import Cursor, Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,9 @@ async def unavailable(send: Send) -> None:
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI endpoint for GET /api/v1/stream/."""
+    if (refused := disallowed_host(scope)) is not None:
+        await send_response(send, refused)
+        return
     if scope["method"] not in {"GET", "HEAD"}:
         response = error_response(405, "method_not_allowed", "Use GET.")
         response["Allow"] = "GET"
@@ -156,14 +159,24 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
 
     writer = asyncio.create_task(write())
     listener = asyncio.create_task(until_disconnect(receive))
+    shutdown = asyncio.create_task(closing().wait())
     try:
-        await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {writer, listener, shutdown}, return_when=asyncio.FIRST_COMPLETED
+        )
+        # The server is shutting down while the stream is open (and the client still there).
+        stopping = done == {shutdown}
     finally:
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             task.cancel()
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await task
+    if stopping:
+        # End the response: the client reconnects (to another server, or to this one
+        # restarted) after RETRY_MILLISECONDS, and resumes after its last event.
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b""})
 
 
 async def events(

@@ -45,10 +45,13 @@ from board.asgi_tools import (
     Receive,
     Scope,
     Send,
+    closing,
     read_body,
     replaying,
+    send_response,
     until_disconnect,
 )
+from board.middleware import disallowed_host
 from board.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
@@ -231,7 +234,12 @@ class WaitingClaims:
         ):
             await self.app(scope, receive, send)
             return
-        # RequestBodyLimit, in front, has checked the size; None means the client left.
+        # Refuse a foreign Host before the claim joins the room or starts the relay; Django
+        # would refuse each attempt anyway.
+        if (refused := disallowed_host(scope)) is not None:
+            await send_response(send, refused)
+            return
+        # RequestBodyLimit, in front, has read the body already: this returns it at once.
         body = await read_body(receive, conf.MAX_BODY_BYTES)
         if body is None:
             return
@@ -250,13 +258,16 @@ class WaitingClaims:
 
         waiter = room.enter(queues)
         disconnected = asyncio.ensure_future(until_disconnect(receive))
+        # A server shutting down answers what it has (nothing) at once: the agent claims
+        # again, from another server or this one restarted.
+        shutdown = asyncio.ensure_future(closing().wait())
         try:
             while True:
                 response = await self._attempt(scope, body)
                 limit = response.header(QUEUES_HEADER)
                 if limit:
                     room.narrow(waiter, frozenset(limit.decode("latin-1").split(",")))
-                if not response.claimed_nothing() or time.time() >= deadline:
+                if not response.claimed_nothing() or time.time() >= deadline or shutdown.done():
                     await response.send_to(send)
                     return
                 until = deadline
@@ -265,12 +276,19 @@ class WaitingClaims:
                     with contextlib.suppress(ValueError):
                         until = min(until, float(hint) + 0.01)
                 waiting = asyncio.ensure_future(room.wait(waiter, until))
-                await asyncio.wait({waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiting, disconnected, shutdown}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if disconnected.done():
                     waiting.cancel()
                     return
+                if shutdown.done():
+                    waiting.cancel()
+                    await response.send_to(send)
+                    return
         finally:
             disconnected.cancel()
+            shutdown.cancel()
             room.leave(waiter)
 
     async def _attempt(self, scope: Scope, body: bytes) -> CapturedResponse:

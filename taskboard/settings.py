@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "csp",
     "django_eventstream",
     "taskboard",
     "access",
@@ -100,6 +101,42 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "board.middleware.DatabaseUnavailableMiddleware",
 ]
+
+# TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
+# that terminates TLS and sets X-Forwarded-Proto (README, "Deploying at scale").
+TASKBOARD_HTTPS = env_bool("TASKBOARD_HTTPS", False)
+if TASKBOARD_HTTPS:
+    # Session and CSRF cookies are never sent over plain HTTP.
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # Browsers use HTTPS only for this host from their first visit on, for a year.
+    SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600)
+    # The proxy says whether the client's request came over TLS. Trust it only behind a
+    # proxy that sets (or strips) this header on every request.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    MIDDLEWARE.insert(
+        MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
+        "csp.middleware.CSPMiddleware",
+    )
+
+# The Content-Security-Policy that TASKBOARD_HTTPS turns on (django-csp). Scripts come
+# only from this server's own files: the board's pages have no inline script, and the API
+# docs use drf-spectacular's split Swagger view, whose start-up script is a file too.
+# Inline styles are allowed: Swagger UI's page and the escalation admin's form carry a
+# <style> block, and styles cannot run code. Swagger UI draws its icons from data: URLs.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
 
 ROOT_URLCONF = "taskboard.urls"
 
@@ -222,6 +259,10 @@ SPECTACULAR_SETTINGS = {
 # Worker threads per server process for pages and API requests; each keeps one database
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
 TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
+
+# Seconds a request body may take to arrive in full; a slower one is refused with 408.
+# Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
+TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
 
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
