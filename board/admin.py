@@ -2,7 +2,8 @@
 
 Nothing here writes: tasks change only through ``board.transitions`` (the escalation queue
 in ``escalations.admin`` offers the human transitions), and the event log is append-only.
-The event inline and the JSON rendering live here, for both admins.
+The event inline and the JSON rendering live here, for both admins. Staff set which queues
+an agent is limited to (board.access) on the user's page.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any
 from django.contrib import admin
 from django.contrib.admin.utils import flatten_fieldsets
 from django.contrib.admin.views.main import ChangeList
+from django.contrib.auth import admin as auth_admin
+from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from board.models import Task, TaskEvent
+from board.models import QueueLimit, Task, TaskEvent
 
 admin.site.site_header = "Taskboard administration"
 admin.site.site_title = "Taskboard admin"
@@ -172,3 +175,32 @@ class TaskEventAdmin(ReadOnlyAdmin):
     @admin.display(description="payload")
     def event_payload(self, event: TaskEvent) -> SafeString:
         return json_block(event.payload)
+
+
+class QueueLimitInline(admin.StackedInline):
+    """The queues a user is limited to, on the user's page. Deleting it lifts the limit."""
+
+    model = QueueLimit
+    can_delete = True
+    extra = 0
+    max_num = 1
+    verbose_name = "queue limit"
+    verbose_name_plural = "queue limit (none: every queue)"
+
+
+User = get_user_model()
+admin.site.unregister(User)
+
+
+@admin.register(User)
+class UserAdmin(auth_admin.UserAdmin):
+    """Django's user admin, with the queue limit on the page and in the list."""
+
+    inlines = [QueueLimitInline]
+    list_display = ["username", "email", "first_name", "last_name", "is_staff", "queues"]
+    list_select_related = ["queue_limit"]
+
+    @admin.display(description="queues")
+    def queues(self, user: Any) -> str:
+        limit = getattr(user, "queue_limit", None)
+        return ", ".join(limit.queues) if limit is not None else "every queue"

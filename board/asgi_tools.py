@@ -1,9 +1,11 @@
 """The few ASGI pieces shared by what runs in front of Django (board.middleware's body
 limit, board.stream, board.waiting): reading and replaying a request body, sending a
-Django response, and noticing a client that hung up."""
+Django response, noticing a client that hung up, and noticing a server shutting down."""
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -51,7 +53,10 @@ async def send_response(send: Send, response: HttpResponse) -> None:
         {
             "type": "http.response.start",
             "status": response.status_code,
-            "headers": [(k.lower().encode(), v.encode()) for k, v in response.items()],
+            "headers": [
+                *((k.lower().encode(), v.encode()) for k, v in response.items()),
+                (b"content-length", str(len(response.content)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": response.content})
@@ -61,3 +66,21 @@ async def until_disconnect(receive: Receive) -> None:
     """Return when the client hangs up."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+_closing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def closing() -> asyncio.Event:
+    """Return the event that is set when this server begins to shut down (taskboard.asgi).
+
+    Open streams and waiting claims end as soon as it is set, instead of holding up the
+    shutdown: both are resumed by their clients.
+    """
+    loop = asyncio.get_running_loop()
+    event = _closing.get(loop)
+    if event is None:
+        event = _closing[loop] = asyncio.Event()
+    return event

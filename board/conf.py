@@ -18,3 +18,8 @@ def lease_seconds() -> int:
 def max_failures() -> int:
     """Return the strikes before escalation for a task that names none (TASKBOARD_MAX_FAILURES)."""
     return int(getattr(settings, "TASKBOARD_MAX_FAILURES", 3))
+
+
+def body_timeout() -> float:
+    """Return the seconds a request body may take to arrive (TASKBOARD_BODY_TIMEOUT)."""
+    return float(getattr(settings, "TASKBOARD_BODY_TIMEOUT", 30))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from django.db import DataError, IntegrityError, InternalError
@@ -47,6 +47,22 @@ class InvalidTransition(BoardError):
         super().__init__(
             f"Cannot {action} task {task_id}: it is {status}, "
             f"and {action} applies only to {' or '.join(allowed)} tasks."
+        )
+
+
+class ForbiddenQueue(BoardError):
+    """The user is limited to other queues than the one it asked to create in, claim from
+    or act on (board.access)."""
+
+    code = "forbidden_queue"
+
+    def __init__(self, queues: Iterable[str], allowed: Iterable[str]) -> None:
+        self.queues = sorted(set(queues))
+        self.allowed = sorted(allowed)
+        names = ", ".join(self.queues)
+        super().__init__(
+            f"You may not use the queue{'s' if len(self.queues) > 1 else ''} {names}: "
+            f"you are limited to {', '.join(self.allowed) or 'no queue'}."
         )
 
 

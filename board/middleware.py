@@ -1,11 +1,16 @@
-"""Request-wide policy: the body size limit and a 503 when the database is down."""
+"""Request-wide policy: the body size and time limits, the Host check in front of Django,
+and a 503 when the database is down."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from django.core.exceptions import DisallowedHost
+from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
@@ -26,10 +31,39 @@ def too_large() -> JsonResponse:
     )
 
 
+def request_timeout() -> JsonResponse:
+    response = error_response(
+        408,
+        "request_timeout",
+        f"The request body did not arrive within {conf.body_timeout():g} seconds.",
+    )
+    response["Connection"] = "close"  # the rest of the body is not read: drop the connection
+    return response
+
+
 def database_unavailable() -> JsonResponse:
     response = error_response(503, "unavailable", "The database is unavailable. Try again shortly.")
     response["Retry-After"] = "5"
     return response
+
+
+def disallowed_host(scope: dict[str, Any]) -> HttpResponse | None:
+    """Return the 400 that Django answers for a Host outside ALLOWED_HOSTS, or None.
+
+    For the ASGI endpoints in front of Django (board.stream, board.waiting), which Django's
+    own check (HttpRequest.get_host) never sees. It is Django's logic, run on an ASGIRequest
+    made from the scope (X-Forwarded-Host, DEBUG's defaults and all), and Django's answer
+    (handler400), logged to the same logger.
+    """
+    from board.api.errors import bad_request
+
+    request = ASGIRequest(scope, io.BytesIO())
+    try:
+        request.get_host()
+    except DisallowedHost as exc:
+        logging.getLogger("django.security.DisallowedHost").error("%s", exc)
+        return bad_request(request, exc)
+    return None
 
 
 def is_database_outage(exc: BaseException) -> bool:
@@ -74,13 +108,21 @@ class DatabaseUnavailableMiddleware:
 
 
 class RequestBodyLimit:
-    """ASGI middleware: refuse bodies over MAX_BODY_BYTES with 413, and give every body a
-    Content-Length.
+    """ASGI middleware: read every request body in full, within a time and a size limit,
+    before the request takes one of Django's worker threads or a database connection.
 
-    Django under WSGI reads exactly Content-Length bytes, so a chunked body (which has no
-    length) would reach it empty. Such bodies are read here, up to the limit, and passed on
-    with the length they turned out to have; a declared length over the limit is refused
-    before anything is read.
+    Django runs on a few worker threads (taskboard/asgi.py), and under WSGI it reads the
+    body from inside its thread: a client sending its body a byte a second would hold a
+    thread for as long as it likes, and a handful of them would stall every request. Here
+    the body is read on the event loop, where waiting costs nothing, and Django is handed
+    a body that is already there:
+
+    - a declared Content-Length over MAX_BODY_BYTES is refused with 413 before reading;
+    - a body that grows past it (chunked, no declared length) is refused with 413;
+    - a body not complete within TASKBOARD_BODY_TIMEOUT seconds is refused with 408 and
+      the connection closed;
+    - every body reaches Django with a Content-Length (a chunked one, which has none,
+      would otherwise reach Django under WSGI empty).
     """
 
     def __init__(self, app: Any) -> None:
@@ -92,15 +134,18 @@ class RequestBodyLimit:
             return
         headers = scope.get("headers", [])
         declared = [value for name, value in headers if name.lower() == b"content-length"]
-        if declared:
-            if declared[0].isdigit() and int(declared[0]) > conf.MAX_BODY_BYTES:
-                await send_response(send, too_large())
-                return
-            await self.app(scope, receive, send)
+        if declared and declared[0].isdigit() and int(declared[0]) > conf.MAX_BODY_BYTES:
+            await send_response(send, too_large())
             return
-        body = await read_body(receive, conf.MAX_BODY_BYTES)
+        try:
+            async with asyncio.timeout(conf.body_timeout()):
+                body = await read_body(receive, conf.MAX_BODY_BYTES)
+        except TimeoutError:
+            await send_response(send, request_timeout())
+            return
         if body is None:
             await send_response(send, too_large())  # (or the client left: nobody reads it)
             return
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        if not declared:
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         await self.app(scope, replaying(body, receive), send)

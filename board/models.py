@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import Min
@@ -186,3 +187,38 @@ class TaskEvent(models.Model):
 
     def __str__(self) -> str:
         return f"event {self.pk}: task {self.task_id} {self.type}"
+
+
+class QueueLimit(models.Model):
+    """The queues one user (an agent) is limited to; see board.access.
+
+    A user without a row may use every queue. The limit is never empty: clearing it means
+    deleting the row, which gives the user every queue again.
+    """
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="queue_limit",
+    )
+    queues = ArrayField(
+        models.CharField(max_length=64, validators=[queue_validator]),
+        help_text="Comma-separated queue names. The user sees and works only these queues.",
+    )
+
+    class Meta:
+        db_table = "queue_limits"
+        verbose_name = "queue limit"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(queues__len__gt=0), name="queue_limits_not_empty"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}: {', '.join(self.queues)}"
+
+    def clean(self) -> None:
+        # One spelling for each limit: sorted, without duplicates.
+        self.queues = sorted(set(self.queues))

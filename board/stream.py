@@ -10,7 +10,8 @@ The stream subscribes to this process's relay (board.relay) and writes what it h
 over. A client that sends the id of the last event it received (``Last-Event-ID``, which
 EventSource sends by itself on reconnect, or ``?lastEventId=``) is first replayed what it
 missed, from the relay's memory or from ``task_events``, then continues live: in order,
-none twice.
+none twice. An agent limited to queues (board.access) is sent only its own queues' events,
+live and replayed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from http.cookies import SimpleCookie
 from importlib import import_module
@@ -29,9 +31,11 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from board.asgi_tools import Receive, Scope, Send, send_response, until_disconnect
-from board.middleware import database_unavailable, error_response
-from board.relay import Cursor, Relay, get_relay
+from access import throttle
+from board.access import EVERY_QUEUE, QueueAccess, queue_access
+from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
+from board.middleware import database_unavailable, disallowed_host, error_response
+from board.relay import Cursor, Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
 
@@ -40,30 +44,44 @@ KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
 
 
-def authenticate(headers: dict[str, str]) -> Any:
-    """Return the active user named by a Bearer/Token header or the session cookie, or None.
+def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAccess] | None:
+    """Return the active user named by a Bearer/Token header or the session cookie, and
+    the queues it may see; or None.
 
-    Runs in a worker thread and closes that thread's database connection before returning.
+    A failure is counted against the client ``address``; an address over the limit is
+    refused before any lookup (``access.throttle.Throttled``). Runs in a worker
+    thread and closes that thread's database connection before returning.
     """
-    from django.contrib.auth import get_user
-    from django.http import HttpRequest
-    from rest_framework.authtoken.models import Token
-
     try:
-        keyword, _, key = headers.get("authorization", "").partition(" ")
-        if keyword.lower() in {"bearer", "token"}:
-            token = Token.objects.select_related("user").filter(key=key.strip()).first()
-            return token.user if token and token.user.is_active else None
-        cookies = SimpleCookie(headers.get("cookie", ""))
-        morsel = cookies.get(settings.SESSION_COOKIE_NAME)
-        if morsel is None:
+        throttle.check(address)
+        user = _user(headers)
+        if user is None:
+            throttle.record_failure(address)
             return None
-        request = HttpRequest()
-        request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
-        user = get_user(request)
-        return user if user.is_authenticated else None
+        return user, queue_access(user)
     finally:
         connection.close()
+
+
+def _user(headers: dict[str, str]) -> Any:
+    """Return the active user of the token or the session in ``headers``, or None."""
+    from django.contrib.auth import get_user
+    from django.http import HttpRequest
+
+    from access import tokens
+
+    keyword, _, key = headers.get("authorization", "").partition(" ")
+    if keyword.lower() in {"bearer", "token"}:
+        found = tokens.user_for(key.strip())
+        return found[0] if found and found[0].is_active else None
+    cookies = SimpleCookie(headers.get("cookie", ""))
+    morsel = cookies.get(settings.SESSION_COOKIE_NAME)
+    if morsel is None:
+        return None
+    request = HttpRequest()
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
+    user = get_user(request)
+    return user if user.is_authenticated else None
 
 
 def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
@@ -80,6 +98,9 @@ async def unavailable(send: Send) -> None:
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI endpoint for GET /api/v1/stream/."""
+    if (refused := disallowed_host(scope)) is not None:
+        await send_response(send, refused)
+        return
     if scope["method"] not in {"GET", "HEAD"}:
         response = error_response(405, "method_not_allowed", "Use GET.")
         response["Allow"] = "GET"
@@ -88,19 +109,25 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }
+    client = scope.get("client")
+    address = str(client[0]) if client else ""
     try:
-        user = await sync_to_async(authenticate, thread_sensitive=False)(headers)
+        authorized = await sync_to_async(authorize, thread_sensitive=False)(headers, address)
+    except throttle.Throttled as exc:
+        await send_response(send, throttle.throttled(exc.seconds))
+        return
     except DatabaseError as exc:
         logger.warning("stream: database unavailable: %s", exc)
         await unavailable(send)
         return
-    if user is None:
+    if authorized is None:
         response = error_response(
             401, "not_authenticated", "Log in, or send 'Authorization: Bearer <token>'."
         )
         response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
         await send_response(send, response)
         return
+    _, access = authorized
     try:
         relay = await get_relay()
         event_id = resume_id(scope, headers)
@@ -126,31 +153,53 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         return
 
     async def write() -> None:
-        async for chunk in events(relay, after):
+        async for chunk in events(relay, after, access):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     writer = asyncio.create_task(write())
     listener = asyncio.create_task(until_disconnect(receive))
+    shutdown = asyncio.create_task(closing().wait())
     try:
-        await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {writer, listener, shutdown}, return_when=asyncio.FIRST_COMPLETED
+        )
+        # The server is shutting down while the stream is open (and the client still there).
+        stopping = done == {shutdown}
     finally:
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             task.cancel()
-        for task in (writer, listener):
+        for task in (writer, listener, shutdown):
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await task
+    if stopping:
+        # End the response: the client reconnects (to another server, or to this one
+        # restarted) after RETRY_MILLISECONDS, and resumes after its last event.
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b""})
 
 
-async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
-    """Yield the SSE byte stream: a replay after ``after`` (if given), then live events."""
+async def events(
+    relay: Relay, after: Cursor | None, access: QueueAccess = EVERY_QUEUE
+) -> AsyncIterator[bytes]:
+    """Yield the SSE byte stream: a replay after ``after`` (if given), then live events,
+    of the queues ``access`` allows."""
+
+    def sse(batch: list[StreamEvent]) -> bytes:
+        return b"".join(event.sse for event in batch if access.allows(event.queue))
+
     subscriber = relay.subscribe()
     try:
         yield f"retry: {RETRY_MILLISECONDS}\n: connected\n\n".encode()
+        # When the client was last written to: a limited client may see nothing of a busy
+        # board for a long time, and still needs a keep-alive on time.
+        written = time.monotonic()
         last = subscriber.start
         if after is not None and after < subscriber.start:
             async for page in relay.replay(after, subscriber.start):
-                yield b"".join(event.sse for event in page)
+                if chunk := sse(page):
+                    yield chunk
+                    written = time.monotonic()
         elif after is not None:
             # This process's relay is behind the client (it was paused, or is catching up
             # after a lost connection): what it delivers up to ``after`` was sent already.
@@ -160,20 +209,25 @@ async def events(relay: Relay, after: Cursor | None) -> AsyncIterator[bytes]:
                 # This client fell behind and its queue was dropped: replay from memory.
                 upto = relay.resume(subscriber)
                 async for page in relay.replay(last, upto):
-                    yield b"".join(event.sse for event in page)
+                    if chunk := sse(page):
+                        yield chunk
+                        written = time.monotonic()
                 last = max(last, upto)
+            quiet = written + KEEPALIVE_SECONDS - time.monotonic()
             try:
-                first = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_SECONDS)
+                first = await asyncio.wait_for(subscriber.queue.get(), max(quiet, 0.0))
             except TimeoutError:
                 yield b": keep-alive\n\n"
+                written = time.monotonic()
                 continue
             queued = [first, *subscriber.drain()]
             live = [event for event in queued if event is not None]
-            chunk = b"".join(event.sse for event in live if event.cursor > last)
+            chunk = sse([event for event in live if event.cursor > last])
             if live:
                 last = max(last, live[-1].cursor)
             if chunk:
                 yield chunk
+                written = time.monotonic()
             if len(live) < len(queued):
                 return  # the relay stopped (server shutdown): the client will reconnect
     finally:

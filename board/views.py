@@ -25,6 +25,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_safe
 
 from board import conf
+from board.access import queue_access
 from board.api.serializers import TaskSerializer
 from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
 from board.sql import QUERIES
@@ -151,10 +152,12 @@ def home(request: HttpRequest) -> HttpResponse:
     with page_snapshot():
         resume_id = stream_head_id(horizon)
         skip = unstable_event_ids(horizon)
-        tasks = Task.objects.filter(queue=queue) if queue else Task.objects.all()
+        # A user limited to queues (board.access) sees only those, here as in the API.
+        visible = queue_access(request.user).visible(Task.objects.all())
+        tasks = visible.filter(queue=queue) if queue else visible
         counts = dict(tasks.values_list("status").annotate(n=Count("id")).order_by())
         columns = {column.key: column.tasks(tasks) for column in COLUMNS}
-        queues = sorted(Task.objects.values_list("queue", flat=True).distinct().order_by())
+        queues = sorted(visible.values_list("queue", flat=True).distinct().order_by())
     if queue and queue not in queues:
         queues.append(queue)
     counts = {status.value: counts.get(status.value, 0) for status in TaskStatus}
@@ -204,7 +207,7 @@ def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     horizon = stream_horizon()
     with page_snapshot():
         resume_id = stream_head_id(horizon)
-        task = get_object_or_404(Task, pk=pk)
+        task = get_object_or_404(queue_access(request.user).visible(Task.objects.all()), pk=pk)
         events = list(TaskEvent.objects.filter(task=task).order_by("id"))
         skip = unstable_event_ids(horizon, task.pk)
     data = TaskSerializer(task).data

@@ -19,6 +19,11 @@ as an ordinary, short request (authentication, validation, the claim statement):
    waiter wakes itself then. While claims wait, the room also sets a timer for each
    lease and ``run_after`` that the relay reports.
 
+4. An agent limited to queues (board.access) waits only for its own: Django's answer to
+   an empty attempt names the queues the claim took from (the internal
+   ``Taskboard-Claim-Queues`` header), and the waiter is woken for those alone, so that it
+   never takes a wake-up meant for a claim that may have the task.
+
 The waiter joins the room before its first attempt, so a task committed while an attempt
 runs still wakes it: no wake-up is lost between an empty attempt and the wait.
 """
@@ -40,16 +45,22 @@ from board.asgi_tools import (
     Receive,
     Scope,
     Send,
+    closing,
     read_body,
     replaying,
+    send_response,
     until_disconnect,
 )
+from board.middleware import disallowed_host
 from board.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
 
 CLAIM_PATH = "/api/v1/tasks/claim/"
 HINT_HEADER = b"taskboard-next-claimable"
+# Internal too: the queues an empty claim took from, when its agent is limited to queues.
+QUEUES_HEADER = b"taskboard-claim-queues"
+INTERNAL_HEADERS = {HINT_HEADER, QUEUES_HEADER}
 # Events after which the task is pending (and so possibly claimable) again.
 RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired"}
 LEASE_EVENTS = {"claimed", "heartbeat"}
@@ -96,6 +107,19 @@ class WaitingRoom:
                 await asyncio.wait_for(waiter.woken.wait(), timeout)
         waiter.woken.clear()
         waiter.woken_for = None
+
+    def narrow(self, waiter: Waiter, queues: frozenset[str]) -> None:
+        """Wake ``waiter`` only for ``queues`` from now on: the queues its claim takes from.
+
+        An agent limited to queues (board.access) may ask without naming any; Django's
+        answer to its first attempt says which it gets. A wake-up that came in for another
+        queue before then is passed on, not lost.
+        """
+        waiter.queues = queues
+        if waiter.woken_for is not None and not waiter.wants(waiter.woken_for):
+            queue, waiter.woken_for = waiter.woken_for, None
+            waiter.woken.clear()
+            self.wake_one(queue)
 
     def wake_one(self, queue: str) -> None:
         """Wake the longest-waiting claim that wants ``queue`` and is not awake already."""
@@ -191,7 +215,9 @@ class CapturedResponse:
             return False
 
     async def send_to(self, send: Send) -> None:
-        headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != HINT_HEADER]
+        headers = [
+            (k, v) for k, v in self.start.get("headers", []) if k.lower() not in INTERNAL_HEADERS
+        ]
         await send({**self.start, "headers": headers})
         await send({"type": "http.response.body", "body": self.body})
 
@@ -208,7 +234,12 @@ class WaitingClaims:
         ):
             await self.app(scope, receive, send)
             return
-        # RequestBodyLimit, in front, has checked the size; None means the client left.
+        # Refuse a foreign Host before the claim joins the room or starts the relay; Django
+        # would refuse each attempt anyway.
+        if (refused := disallowed_host(scope)) is not None:
+            await send_response(send, refused)
+            return
+        # RequestBodyLimit, in front, has read the body already: this returns it at once.
         body = await read_body(receive, conf.MAX_BODY_BYTES)
         if body is None:
             return
@@ -227,10 +258,16 @@ class WaitingClaims:
 
         waiter = room.enter(queues)
         disconnected = asyncio.ensure_future(until_disconnect(receive))
+        # A server shutting down answers what it has (nothing) at once: the agent claims
+        # again, from another server or this one restarted.
+        shutdown = asyncio.ensure_future(closing().wait())
         try:
             while True:
                 response = await self._attempt(scope, body)
-                if not response.claimed_nothing() or time.time() >= deadline:
+                limit = response.header(QUEUES_HEADER)
+                if limit:
+                    room.narrow(waiter, frozenset(limit.decode("latin-1").split(",")))
+                if not response.claimed_nothing() or time.time() >= deadline or shutdown.done():
                     await response.send_to(send)
                     return
                 until = deadline
@@ -239,12 +276,19 @@ class WaitingClaims:
                     with contextlib.suppress(ValueError):
                         until = min(until, float(hint) + 0.01)
                 waiting = asyncio.ensure_future(room.wait(waiter, until))
-                await asyncio.wait({waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiting, disconnected, shutdown}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if disconnected.done():
                     waiting.cancel()
                     return
+                if shutdown.done():
+                    waiting.cancel()
+                    await response.send_to(send)
+                    return
         finally:
             disconnected.cancel()
+            shutdown.cancel()
             room.leave(waiter)
 
     async def _attempt(self, scope: Scope, body: bytes) -> CapturedResponse:

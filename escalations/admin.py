@@ -28,7 +28,7 @@ from board import transitions
 from board.admin import ReadOnlyTaskAdmin
 from board.exceptions import InvalidTransition, TaskNotFound
 from board.models import Task
-from escalations.models import EscalatedTask
+from escalations.models import TRIAGE_PERMISSION, EscalatedTask
 
 
 class NoteForm(forms.Form):
@@ -154,7 +154,7 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
 
     def has_triage_permission(self, request: HttpRequest) -> bool:
         """Return whether the user may requeue, resolve and cancel escalated tasks."""
-        return request.user.has_perm(f"{self.opts.app_label}.triage_task")
+        return request.user.has_perm(TRIAGE_PERMISSION)
 
     # The list's actions.
 

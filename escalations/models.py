@@ -10,6 +10,9 @@ from django.db.models.fields.json import KT
 
 from board.models import EventType, Task, TaskEvent, TaskQuerySet
 
+# Who may requeue, resolve and cancel: in the admin's queue and in the API alike.
+TRIAGE_PERMISSION = "escalations.triage_task"
+
 
 class EscalatedTaskQuerySet(TaskQuerySet):
     def with_escalation(self) -> EscalatedTaskQuerySet:

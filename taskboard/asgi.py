@@ -9,8 +9,10 @@ own ASGI handler would run every request on a new thread, with a new connection.
   holds no worker thread and no database connection;
 - ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.waiting, which waits for
   work between claim attempts outside Django, for the same reason;
-- RequestBodyLimit refuses bodies over 1 MiB and gives chunked bodies a length;
-- the lifespan protocol stops the process's event relay on shutdown.
+- RequestBodyLimit reads every body before the request takes a thread, refusing one over
+  1 MiB (413) or slower than TASKBOARD_BODY_TIMEOUT (408), and gives chunked bodies a length;
+- on SIGTERM or SIGINT, open streams and waiting claims end at once (taskboard.server);
+  the lifespan protocol then stops the process's event relay.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ django_application = WSGIMiddleware(
 )
 
 from board import stream, waiting  # noqa: E402  (needs Django set up)
+from board.asgi_tools import closing  # noqa: E402
 from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
+from taskboard.server import on_exit_signal  # noqa: E402
 
 http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  # type: ignore[arg-type]
 
@@ -53,6 +57,9 @@ async def lifespan(receive: Any, send: Any) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            # Streams and waiting claims end as soon as the server is told to stop: the
+            # lifespan shutdown comes only after uvicorn has waited for them.
+            on_exit_signal(closing().set)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await stop_relays()

@@ -43,6 +43,7 @@ __all__ = [
     "Client",
     "Conflict",
     "Event",
+    "ForbiddenQueue",
     "InvalidTransition",
     "Lease",
     "LeaseLost",
@@ -52,6 +53,7 @@ __all__ = [
     "PermissionDenied",
     "Task",
     "TaskboardError",
+    "Throttled",
     "Unavailable",
     "ValidationError",
 ]
@@ -108,7 +110,12 @@ class AuthenticationError(TaskboardError):
 
 
 class PermissionDenied(TaskboardError):
-    """403: authenticated, but not allowed (a staff action by a non-staff user)."""
+    """403: authenticated, but not allowed (a staff action by a user who may not triage)."""
+
+
+class ForbiddenQueue(PermissionDenied):
+    """403 forbidden_queue: this agent is limited to other queues (``create_agent
+    --queues``) than the one it asked to create in, claim from or act on."""
 
 
 class NotFound(TaskboardError):
@@ -131,6 +138,21 @@ class PayloadTooLarge(TaskboardError):
     """413: the request body is over the server's limit (1 MiB)."""
 
 
+class Throttled(TaskboardError):
+    """429 throttled: too many failed authentications came from your address lately.
+
+    Every request from it is refused, a valid token included, for ``retry_after`` seconds
+    (the server's ``Retry-After``). The client does not retry it by itself: a refused
+    request had no effect, so repeating it later is safe, but waiting up to a minute
+    inside a call would stall a heartbeat past its lease, and the cause (a wrong token
+    here or on another machine behind the same address) needs fixing first.
+    """
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kwargs: Any) -> None:
+        super().__init__(detail, **kwargs)
+        self.retry_after = retry_after
+
+
 class Unavailable(TaskboardError):
     """503, or no answer at all (connection refused, timed out), after the retries."""
 
@@ -142,16 +164,26 @@ _BY_STATUS: dict[int, type[TaskboardError]] = {
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,
+    429: Throttled,
     503: Unavailable,
 }
 _BY_CODE: dict[str, type[TaskboardError]] = {
     "lease_lost": LeaseLost,
     "invalid_transition": InvalidTransition,
+    "forbidden_queue": ForbiddenQueue,
 }
 
 
 def error_from_response(response: httpx.Response) -> TaskboardError:
     """Return the exception for an error ``response`` (any status >= 400)."""
+    error = _error_from_response(response)
+    if isinstance(error, Throttled):
+        with contextlib.suppress(ValueError):
+            error.retry_after = float(response.headers.get("Retry-After", ""))
+    return error
+
+
+def _error_from_response(response: httpx.Response) -> TaskboardError:
     try:
         body = response.json()
     except ValueError:

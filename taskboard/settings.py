@@ -78,17 +78,19 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "csp",
     "django_eventstream",
     "taskboard",
+    "access",
     "board",
     "escalations",
 ]
 
 MIDDLEWARE = [
     "board.middleware.BodySizeLimitMiddleware",
+    "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -99,6 +101,42 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "board.middleware.DatabaseUnavailableMiddleware",
 ]
+
+# TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
+# that terminates TLS and sets X-Forwarded-Proto (README, "Deploying at scale").
+TASKBOARD_HTTPS = env_bool("TASKBOARD_HTTPS", False)
+if TASKBOARD_HTTPS:
+    # Session and CSRF cookies are never sent over plain HTTP.
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # Browsers use HTTPS only for this host from their first visit on, for a year.
+    SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600)
+    # The proxy says whether the client's request came over TLS. Trust it only behind a
+    # proxy that sets (or strips) this header on every request.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    MIDDLEWARE.insert(
+        MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
+        "csp.middleware.CSPMiddleware",
+    )
+
+# The Content-Security-Policy that TASKBOARD_HTTPS turns on (django-csp). Scripts come
+# only from this server's own files: the board's pages have no inline script, and the API
+# docs use drf-spectacular's split Swagger view, whose start-up script is a file too.
+# Inline styles are allowed: Swagger UI's page and the escalation admin's form carry a
+# <style> block, and styles cannot run code. Swagger UI draws its icons from data: URLs.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
 
 ROOT_URLCONF = "taskboard.urls"
 
@@ -210,6 +248,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "board.api.schema.add_stream_endpoint",
+        "board.api.schema.add_throttled_responses",
     ],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "board.models.TaskStatus",
@@ -221,9 +260,19 @@ SPECTACULAR_SETTINGS = {
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
 TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
 
+# Seconds a request body may take to arrive in full; a slower one is refused with 408.
+# Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
+TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
+
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
+
+# Failed authentications (401s, failed logins) an address may make in a window of this
+# many seconds; past them it is answered 429 until the window ends (access.throttle).
+# 0: no throttle.
+TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30)
+TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int("TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)
 
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)

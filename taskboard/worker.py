@@ -38,11 +38,13 @@ from taskboard.client import (
     AuthenticationError,
     ClaimedTask,
     Client,
+    ForbiddenQueue,
     Lease,
     LeaseLost,
     PayloadTooLarge,
     PermissionDenied,
     TaskboardError,
+    Throttled,
     ValidationError,
 )
 
@@ -407,11 +409,21 @@ class Worker:
                     lease_seconds=self.options.lease_seconds,
                     wait=self.options.wait,
                 )
+            except ForbiddenQueue as exc:
+                # Retrying cannot help: the agent's token is limited to other queues.
+                self.display.log(
+                    f"cannot claim: {exc.detail} Choose the queues with --queue; an agent's "
+                    "queues are set with 'taskboard create_agent NAME --queues ...'."
+                )
+                self._fatal = exc
+                return
             except (AuthenticationError, PermissionDenied, ValidationError) as exc:
                 self.display.log(f"cannot claim: {exc}")
                 self._fatal = exc
                 return
             except TaskboardError as exc:
+                if isinstance(exc, Throttled) and exc.retry_after:
+                    pause = max(pause, exc.retry_after)  # nothing gets through before that
                 self.display.log(f"claim failed: {exc}; trying again in {pause:.0f} s")
                 self._stopping.wait(pause)
                 pause = min(pause * 2, 30.0)

@@ -7,8 +7,10 @@ from typing import Any
 
 import factory
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
+from django.contrib.auth.models import Permission
 
+from access import tokens
+from access.models import ApiToken
 from board import transitions
 from board.models import Task
 
@@ -27,12 +29,44 @@ class StaffFactory(UserFactory):
     is_staff = True
 
 
+def grant(user: Any, *permissions: str) -> Any:
+    """Give ``user`` each of ``permissions`` ("app_label.codename"); return the user."""
+    for name in permissions:
+        app_label, codename = name.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+    # Django caches a user's permissions on the object: drop that so the grant shows.
+    for cache in ("_perm_cache", "_user_perm_cache"):
+        user.__dict__.pop(cache, None)
+    return user
+
+
+# digest -> plain token, of the tokens TokenFactory issued (the database keeps digests only).
+_issued: dict[str, str] = {}
+
+
 class TokenFactory(factory.django.DjangoModelFactory):
+    """Return the user's API token, issuing one if it has none, with its plain ``.key``.
+
+    One token per user, as before tokens were hashed: a second call for the same user
+    returns the token the first one issued, so that two clients of one user both work.
+    """
+
     class Meta:
-        model = Token
-        django_get_or_create = ("user",)
+        model = ApiToken
 
     user = factory.SubFactory(UserFactory)
+
+    @classmethod
+    def _create(cls, model_class: type[ApiToken], *args: Any, user: Any, **kwargs: Any) -> Any:
+        existing = ApiToken.objects.filter(user=user).first()
+        if existing is not None and existing.digest in _issued:
+            existing.key = _issued[existing.digest]
+            return existing
+        token = tokens.issue(user)
+        _issued[token.digest] = str(token.key)
+        return token
 
 
 class TaskFactory(factory.Factory):

@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 
 from board import transitions
 from board.models import Task, TaskEvent
-from tests.factories import TokenFactory
+from tests.factories import StaffFactory, TokenFactory, UserFactory, grant
 from tests.live import LiveServer
 
 API = "/api/v1"
@@ -178,7 +178,8 @@ def other_api(api: Callable[[Any], APIClient], other_agent: Any) -> APIClient:
 
 @pytest.fixture
 def staff_api(api: Callable[[Any], APIClient], staff: Any) -> APIClient:
-    return api(staff)
+    """A staff member who may triage: requeue, resolve and cancel."""
+    return api(grant(staff, "escalations.triage_task"))
 
 
 @pytest.fixture
@@ -606,6 +607,55 @@ def test_a_non_staff_user_may_not_use_a_staff_action(
     assert_error(response, 403, "permission_denied")
     assert Task.objects.get(id=task_id).status == "escalated"
     assert history(task_id) == before
+
+
+@pytest.mark.parametrize("action", sorted(STAFF_ACTIONS))
+def test_staff_without_the_triage_permission_may_not_use_a_staff_action(
+    api: Callable[[Any], APIClient],
+    agent_api: APIClient,
+    make_task: Callable[..., Any],
+    action: str,
+) -> None:
+    task_id = escalated_task(make_task, agent_api)
+    before = history(task_id)
+    # Staff, as in the admin, where this user is refused the escalation queue's actions.
+    untrusted = api(StaffFactory(username="ops-bob"))
+
+    response = post(untrusted, f"tasks/{task_id}/{action}/", STAFF_ACTIONS[action])
+
+    body = assert_error(response, 403, "permission_denied")
+    assert "escalations.triage_task" in body["detail"]
+    assert Task.objects.get(id=task_id).status == "escalated"
+    assert history(task_id) == before
+
+
+@pytest.mark.parametrize("action", sorted(STAFF_ACTIONS))
+def test_a_superuser_may_use_every_staff_action(
+    api: Callable[[Any], APIClient],
+    agent_api: APIClient,
+    make_task: Callable[..., Any],
+    action: str,
+) -> None:
+    task_id = escalated_task(make_task, agent_api)
+    root = UserFactory(username="root", is_staff=True, is_superuser=True)
+
+    response = post(api(root), f"tasks/{task_id}/{action}/", STAFF_ACTIONS[action])
+
+    assert response.status_code == 200, response.content
+    assert history(task_id)[-1][2] == "root"
+
+
+def test_a_non_staff_user_with_the_triage_permission_may_not_use_a_staff_action(
+    api: Callable[[Any], APIClient], agent_api: APIClient, make_task: Callable[..., Any]
+) -> None:
+    # The admin needs is_staff as well: so does the API.
+    task_id = escalated_task(make_task, agent_api)
+    outsider = grant(UserFactory(username="outsider"), "escalations.triage_task")
+
+    response = post(api(outsider), f"tasks/{task_id}/requeue/", {})
+
+    assert_error(response, 403, "permission_denied")
+    assert Task.objects.get(id=task_id).status == "escalated"
 
 
 # -- Claim ------------------------------------------------------------------------------

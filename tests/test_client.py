@@ -22,12 +22,14 @@ from django.db import connection, transaction
 
 import taskboard.client as client_module
 from board import transitions
+from board.access import limit_queues
 from board.models import Task as TaskRow
 from taskboard.client import (
     AuthenticationError,
     ClaimedTask,
     Client,
     Event,
+    ForbiddenQueue,
     InvalidTransition,
     Lease,
     LeaseLost,
@@ -36,10 +38,11 @@ from taskboard.client import (
     PermissionDenied,
     Task,
     TaskboardError,
+    Throttled,
     Unavailable,
     ValidationError,
 )
-from tests.factories import TokenFactory
+from tests.factories import TokenFactory, UserFactory, grant
 from tests.live import LiveServer, free_port, live_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +77,7 @@ def other_board(
 
 @pytest.fixture
 def staff_board(server: LiveServer, fast_password_hashing: None, staff: Any) -> Iterator[Client]:
-    with Client(server.url, token_of(staff)) as client:
+    with Client(server.url, token_of(grant(staff, "escalations.triage_task"))) as client:
         yield client
 
 
@@ -228,6 +231,24 @@ def test_staff_requeue_resolve_and_cancel_and_agents_may_not(
         "invalid_transition",
         "pending",
     )
+
+
+@live
+def test_a_limited_agent_gets_forbidden_queue_a_permission_denied_with_that_code(
+    server: LiveServer, fast_password_hashing: None
+) -> None:
+    agent = UserFactory(username="images-only")
+    limit_queues(agent, ["images"])
+
+    with Client(server.url, token_of(agent)) as limited:
+        with pytest.raises(PermissionDenied) as refused:
+            limited.claim(queues=["video"])
+        created = limited.create("fine", queue="images")
+
+    assert isinstance(refused.value, ForbiddenQueue)
+    assert (refused.value.status, refused.value.code) == (403, "forbidden_queue")
+    assert "video" in refused.value.detail and "images" in refused.value.detail
+    assert created.queue == "images"
 
 
 @live
@@ -613,6 +634,7 @@ def test_503_after_the_retries_raises_unavailable_with_the_servers_detail(
         ),
         (401, {"error": "not_authenticated", "detail": "Log in."}, AuthenticationError),
         (403, {"error": "permission_denied", "detail": "Staff only."}, PermissionDenied),
+        (403, {"error": "forbidden_queue", "detail": "Not yours."}, ForbiddenQueue),
         (404, {"error": "not_found", "detail": "No task."}, NotFound),
         (409, {"error": "lease_lost", "detail": "Stop.", "status": "done"}, LeaseLost),
         (
@@ -634,6 +656,25 @@ def test_4xx_answers_are_never_retried(
     assert len(script.requests) == 1 and pauses == []
     assert (refused.value.status, refused.value.code) == (status, body["error"])
     assert refused.value.fields == body.get("fields", {})
+
+
+def test_a_throttled_answer_raises_throttled_with_retry_after_and_is_not_retried(
+    pauses: list[float],
+) -> None:
+    throttled = httpx.Response(
+        429,
+        json={"error": "throttled", "detail": "Try again in 17 seconds."},
+        headers={"Retry-After": "17"},
+    )
+    script = Script(throttled, httpx.Response(200, json=TASK_JSON))
+
+    with pytest.raises(Throttled) as refused:
+        scripted(script).complete(7, lease_token="t")
+
+    assert isinstance(refused.value, TaskboardError)
+    assert len(script.requests) == 1 and pauses == []
+    assert (refused.value.status, refused.value.code) == (429, "throttled")
+    assert refused.value.retry_after == 17.0
 
 
 def test_a_request_sent_without_an_answer_is_repeated_only_when_that_is_harmless(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from io import StringIO
 from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+
+from access import tokens
+from access.models import ApiToken
+from board.models import QueueLimit
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fast_password_hashing")]
 
@@ -30,7 +34,7 @@ def test_create_agent_prints_the_token_as_the_last_line() -> None:
     output = run("create_agent", "bot-1")
 
     token = output.splitlines()[-1]
-    assert token == Token.objects.get(user__username="bot-1").key
+    assert tokens.digest(token) == ApiToken.objects.get(user__username="bot-1").digest
     assert len(token) >= 32 and " " not in token
 
 
@@ -43,13 +47,20 @@ def test_the_token_create_agent_prints_authenticates_as_the_agent() -> None:
     assert response.json()["created_by"] == "bot-1"
 
 
-def test_create_agent_run_twice_reuses_the_user_and_its_token() -> None:
+def test_create_agent_run_twice_reuses_the_user_with_a_new_token(settings: Any) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
     first = run("create_agent", "bot-1").splitlines()[-1]
-    second = run("create_agent", "bot-1").splitlines()[-1]
+    assert client_with(first).get("/api/v1/tasks/").status_code == 200
+    output = run("create_agent", "bot-1")
+    second = output.splitlines()[-1]
 
-    assert first == second
+    # The first token cannot be shown again (only its digest is kept): a new one replaces it.
+    assert "Reusing agent 'bot-1'" in output
+    assert first != second
     assert get_user_model().objects.filter(username="bot-1").count() == 1
-    assert Token.objects.filter(user__username="bot-1").count() == 1
+    assert ApiToken.objects.filter(user__username="bot-1").count() == 1
+    assert client_with(first).get("/api/v1/tasks/").status_code == 401
+    assert client_with(second).get("/api/v1/tasks/").status_code == 200
 
 
 def test_create_agent_gives_each_agent_its_own_token() -> None:
@@ -84,13 +95,116 @@ def test_create_agent_refuses_an_invalid_username(name: str) -> None:
         run("create_agent", name)
 
     assert not get_user_model().objects.exists()
-    assert not Token.objects.exists()
+    assert not ApiToken.objects.exists()
 
 
 def test_drf_create_token_gives_a_human_a_working_token(staff: Any) -> None:
     output = run("drf_create_token", staff.username)
 
-    token = Token.objects.get(user=staff).key
-    assert token in output
+    match = re.fullmatch(rf"Generated token (\S+) for user {staff.username}\n", output)
+    assert match, output
+    token = match[1]
+    assert tokens.digest(token) == ApiToken.objects.get(user=staff).digest
     response = client_with(token).get("/api/v1/tasks/")
     assert response.status_code == 200, response.content
+
+
+def test_drf_create_token_will_not_show_an_existing_token_again(staff: Any) -> None:
+    first = run("drf_create_token", staff.username).split()[2]
+
+    with pytest.raises(CommandError, match="cannot be shown again: run with -r"):
+        run("drf_create_token", staff.username)
+
+    assert client_with(first).get("/api/v1/tasks/").status_code == 200
+
+
+def test_drf_create_token_with_r_replaces_the_token(staff: Any, settings: Any) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    first = run("drf_create_token", staff.username).split()[2]
+
+    output = run("drf_create_token", "-r", staff.username)
+
+    second = output.split()[2]
+    assert output == f"Generated token {second} for user {staff.username}\n"
+    assert second != first
+    assert client_with(first).get("/api/v1/tasks/").status_code == 401
+    assert client_with(second).get("/api/v1/tasks/").status_code == 200
+
+
+def test_drf_create_token_refuses_an_unknown_user() -> None:
+    with pytest.raises(CommandError, match="user nobody does not exist"):
+        run("drf_create_token", "nobody")
+
+
+# -- create_agent --queues: agents limited to queues ---------------------------------------
+
+
+def limit_of(name: str) -> list[str] | None:
+    return QueueLimit.objects.filter(user__username=name).values_list("queues", flat=True).first()
+
+
+def test_create_agent_without_queues_makes_an_agent_of_every_queue() -> None:
+    run("create_agent", "bot-1")
+
+    assert limit_of("bot-1") is None
+
+
+def test_create_agent_with_queues_limits_the_agent_to_them() -> None:
+    output = run("create_agent", "bot-1", "--queues", "images, video,images")
+
+    assert limit_of("bot-1") == ["images", "video"]
+    assert "images, video" in output
+    token = output.strip().splitlines()[-1]
+    assert tokens.digest(token) == ApiToken.objects.get(user__username="bot-1").digest
+
+
+def test_create_agent_run_again_with_queues_changes_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    run("create_agent", "bot-1", "--queues", "video,audio")
+
+    assert limit_of("bot-1") == ["audio", "video"]
+
+
+def test_create_agent_run_again_without_queues_keeps_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    output = run("create_agent", "bot-1")
+
+    assert limit_of("bot-1") == ["images"]
+    assert "images" in output
+
+
+def test_create_agent_with_all_queues_lifts_the_limit() -> None:
+    run("create_agent", "bot-1", "--queues", "images")
+
+    output = run("create_agent", "bot-1", "--all-queues")
+
+    assert limit_of("bot-1") is None
+    assert "every queue" in output
+
+
+@pytest.mark.parametrize("queues", ["", " , ", "Images", "no spaces", "a/b", "x" * 65])
+def test_create_agent_refuses_queues_that_are_no_queue_names(queues: str) -> None:
+    with pytest.raises(CommandError):
+        run("create_agent", "bot-1", "--queues", queues)
+
+    assert not get_user_model().objects.exists()
+    assert not QueueLimit.objects.exists()
+
+
+def test_create_agent_refuses_queues_and_all_queues_together() -> None:
+    with pytest.raises(CommandError):
+        run("create_agent", "bot-1", "--queues", "a", "--all-queues")
+
+
+def test_the_limit_create_agent_sets_is_what_the_api_applies() -> None:
+    token = run("create_agent", "bot-1", "--queues", "images").strip().splitlines()[-1]
+    client = client_with(token)
+
+    allowed = client.post("/api/v1/tasks/", {"title": "a", "queue": "images"}, format="json")
+    refused = client.post("/api/v1/tasks/", {"title": "b", "queue": "video"}, format="json")
+
+    assert allowed.status_code == 201, allowed.content
+    assert refused.status_code == 403
+    assert refused.json()["error"] == "forbidden_queue"

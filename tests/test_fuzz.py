@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi import checks as openapi_checks
 
 from board import transitions
-from tests.factories import StaffFactory, TokenFactory
+from tests.factories import StaffFactory, TokenFactory, grant
 from tests.live import LiveServer, live_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -42,7 +42,8 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture
 def board(db: None) -> dict[str, Any]:
     """A staff user with a token, and tasks in every state for the fuzzer to aim at."""
-    staff = StaffFactory(username="fuzzer")
+    # With the triage permission, so that requeue, resolve and cancel get past the 403.
+    staff = grant(StaffFactory(username="fuzzer"), "escalations.triage_task")
     token = TokenFactory(user=staff).key
     for n in range(4):
         transitions.create(actor=staff, title=f"fuzz {n}", queue="fuzz")

@@ -17,6 +17,7 @@ import pytest
 from django.db import connection, transaction
 
 from board import transitions
+from board.access import limit_queues
 from board.models import Task, TaskEvent, TaskStatus
 from taskboard.worker import Display, failure_message, parse_result
 from tests.factories import TokenFactory, UserFactory
@@ -304,6 +305,23 @@ open(name + ".end", "w").write(repr(time.time()))
     ]
     most = max(sum(1 for start, end in spans if start <= at < end) for at, _ in spans)
     assert most == 2
+
+
+@live
+def test_a_worker_for_queues_its_agent_may_not_use_stops_and_says_why(
+    server: LiveServer, tmp_path: Path, agent: Any
+) -> None:
+    limited = UserFactory(username="images-only")
+    limit_queues(limited, ["images"])
+    task = transitions.create(actor=agent, title="not for it", queue="video")
+    log = tmp_path / "worker.log"
+
+    worker = WorkerProcess(server, token_of(limited), log, ["--queue", "video"], ["true"])
+
+    assert worker.wait(timeout=30) == 1
+    assert "cannot claim" in worker.output
+    assert "video" in worker.output and "--queue" in worker.output
+    assert status_of(task.id) == "pending"
 
 
 def test_the_status_line_is_redrawn_in_place_on_a_terminal() -> None:

@@ -1,4 +1,7 @@
-"""Token authentication that accepts ``Bearer <token>`` as well as DRF's ``Token <token>``."""
+"""Token authentication that accepts ``Bearer <token>`` as well as DRF's ``Token <token>``.
+
+Tokens are stored hashed (access.tokens); this looks them up by their digest.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ from typing import Any
 from django.conf import settings
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
-from rest_framework.authentication import TokenAuthentication, get_authorization_header
+from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.request import Request
 
+from access import tokens
 
-class BearerTokenAuthentication(TokenAuthentication):
+
+class BearerTokenAuthentication(BaseAuthentication):
     keyword = "Bearer"
     keywords = ("bearer", "token")
 
@@ -35,19 +40,26 @@ class BearerTokenAuthentication(TokenAuthentication):
 
         Agents send the same token with every call; remembering it for
         TASKBOARD_TOKEN_CACHE_SECONDS saves a query per request. Only successful lookups
-        are remembered, so a new token works at once; a deleted token or a deactivated
-        user is refused at most that many seconds later.
+        are remembered, so a new token works at once; a deleted or rotated token or a
+        deactivated user is refused at most that many seconds later. The cache is keyed by
+        the token's digest, so the process keeps no plain token either.
         """
         ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
         now = time.monotonic()
-        cached = _token_cache.get(key)
+        digest = tokens.digest(key)
+        cached = _token_cache.get(digest)
         if ttl > 0 and cached is not None and cached[2] > now:
             return cached[0], cached[1]
-        user, token = super().authenticate_credentials(key)
+        found = tokens.user_for(key)
+        if found is None:
+            raise exceptions.AuthenticationFailed("Invalid token.")
+        user, token = found
+        if not user.is_active:
+            raise exceptions.AuthenticationFailed("User inactive or deleted.")
         if ttl > 0:
             if len(_token_cache) >= _TOKEN_CACHE_SIZE:
                 _token_cache.clear()
-            _token_cache[key] = (user, token, now + ttl)
+            _token_cache[digest] = (user, token, now + ttl)
         return user, token
 
     def authenticate_header(self, request: Request) -> str:
@@ -55,8 +67,8 @@ class BearerTokenAuthentication(TokenAuthentication):
 
 
 _TOKEN_CACHE_SIZE = 10_000
-# key -> (user, token, monotonic expiry). Dict reads and writes are atomic under the GIL;
-# two threads missing at once both query and store the same answer.
+# SHA-256 digest of the token -> (user, token, monotonic expiry). Dict reads and writes are
+# atomic under the GIL; two threads missing at once both query and store the same answer.
 _token_cache: dict[str, tuple[Any, Any, float]] = {}
 
 

@@ -12,7 +12,13 @@ from django.shortcuts import render
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-from board.exceptions import BoardError, InvalidTransition, LeaseLost, TaskNotFound
+from board.exceptions import (
+    BoardError,
+    ForbiddenQueue,
+    InvalidTransition,
+    LeaseLost,
+    TaskNotFound,
+)
 from board.middleware import database_unavailable, error_response, is_database_outage
 
 logger = logging.getLogger(__name__)
@@ -72,6 +78,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
             {"error": exc.code, "detail": str(exc), "status": exc.status},
             status=status.HTTP_409_CONFLICT,
         )
+    if isinstance(exc, ForbiddenQueue):
+        return Response({"error": exc.code, "detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)
     if isinstance(exc, BoardError):
         return Response({"error": exc.code, "detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, PermissionDenied):

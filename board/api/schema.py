@@ -54,6 +54,35 @@ def add_stream_endpoint(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]
     return result
 
 
+THROTTLED = {
+    "description": (
+        "Throttled: too many failed authentications (401 answers, failed logins) came from "
+        "this client address in the current window (by default 30 a minute). Every request "
+        "from it that authenticates is refused until the window ends, a valid token "
+        "included; the request had no effect. Successful requests never count."
+    ),
+    "headers": {
+        "Retry-After": {
+            "description": "Seconds until the window ends and the address may try again.",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+}
+
+
+def add_throttled_responses(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: the 429 of access.throttle, described once, on
+    every operation that authenticates."""
+    result.setdefault("components", {}).setdefault("responses", {})["Throttled"] = THROTTLED
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            security = operation.get("security") if isinstance(operation, dict) else None
+            if security and {} not in security:
+                operation["responses"]["429"] = {"$ref": "#/components/responses/Throttled"}
+    return result
+
+
 class BoardAutoSchema(AutoSchema):
     """drf-spectacular's AutoSchema, told that list endpoints answer a page object
     (``{"results": [...], "next": ...}``), never a bare array."""

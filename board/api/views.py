@@ -13,7 +13,9 @@ from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 
 from board import transitions, waiting
+from board.access import QueueAccess, queue_access
 from board.api import serializers as s
+from board.api.permissions import MayTriage
 from board.models import Task, TaskEvent
 
 ERRORS_400 = {400: OpenApiResponse(s.ValidationErrorSerializer, description="Invalid input.")}
@@ -30,7 +32,17 @@ ERRORS_409_TRANSITION = {
         description="invalid_transition: the task's status does not allow this action.",
     )
 }
-ERRORS_403 = {403: OpenApiResponse(s.ErrorSerializer, description="Staff only.")}
+FORBIDDEN_QUEUE = "forbidden_queue: your agent is limited to other queues (create_agent --queues)."
+ERRORS_403_QUEUE = {403: OpenApiResponse(s.ErrorSerializer, description=FORBIDDEN_QUEUE)}
+ERRORS_403 = {
+    403: OpenApiResponse(
+        s.ErrorSerializer,
+        description=(
+            "permission_denied: staff with the escalations.triage_task permission only; "
+            + FORBIDDEN_QUEUE
+        ),
+    )
+}
 
 
 def keyset_page(
@@ -60,9 +72,20 @@ def keyset_page(
 
 
 class BoardViewSet(viewsets.GenericViewSet[Any]):
-    # Policy shared by the API: JSON in and out, authenticated users only.
+    # Policy shared by the API: JSON in and out, authenticated users only, and each user's
+    # queue limit (board.access): rows of other queues are left out of every queryset, and
+    # views check the queue of what they create, claim or act on.
 
     permission_classes = [permissions.IsAuthenticated]
+    # The lookup from this viewset's model to the queue of its row.
+    queue_field = "queue"
+
+    @property
+    def access(self) -> QueueAccess:
+        return queue_access(self.request.user)
+
+    def get_queryset(self) -> QuerySet[Any]:
+        return self.access.visible(super().get_queryset(), self.queue_field)
 
     def validated(self, serializer_class: type[serializers.Serializer[Any]]) -> dict[str, Any]:
         serializer = serializer_class(data=self.request.data)
@@ -86,7 +109,7 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
     create=extend_schema(
         summary="Create a task",
         request=s.TaskCreateSerializer,
-        responses={201: s.TaskSerializer, **ERRORS_400},
+        responses={201: s.TaskSerializer, **ERRORS_400, **ERRORS_403_QUEUE},
     ),
 )
 class TaskViewSet(BoardViewSet):
@@ -100,7 +123,7 @@ class TaskViewSet(BoardViewSet):
     def list(self, request: Request) -> Response:
         filters = self.query(s.TaskFilterSerializer)
         page = self.query(s.TaskListPageSerializer)
-        tasks = Task.objects.all()
+        tasks = self.get_queryset()
         if "status" in filters:
             tasks = tasks.filter(status=filters["status"])
         if "queue" in filters:
@@ -114,7 +137,9 @@ class TaskViewSet(BoardViewSet):
         return Response(s.render(s.TaskSerializer, self.get_object()))
 
     def create(self, request: Request) -> Response:
-        task = transitions.create(actor=request.user, **self.validated(s.TaskCreateSerializer))
+        data = self.validated(s.TaskCreateSerializer)
+        self.access.check(data.get("queue", "default"))
+        task = transitions.create(actor=request.user, **data)
         return Response(s.render(s.TaskSerializer, task), status=status.HTTP_201_CREATED)
 
     @extend_schema(
@@ -124,14 +149,15 @@ class TaskViewSet(BoardViewSet):
             "never get the same task. Each task carries a fresh `lease_token`."
         ),
         request=s.ClaimSerializer,
-        responses={200: s.ClaimResponseSerializer, **ERRORS_400},
+        responses={200: s.ClaimResponseSerializer, **ERRORS_400, **ERRORS_403_QUEUE},
     )
     @action(detail=False, methods=["post"])
     def claim(self, request: Request) -> Response:
         data = self.validated(s.ClaimSerializer)
+        queues = self.access.claim_queues(data["queues"])
         claims = transitions.claim(
             actor=request.user,
-            queues=data["queues"],
+            queues=queues,
             limit=data["limit"],
             lease_seconds=data.get("lease_seconds"),
         )
@@ -143,13 +169,18 @@ class TaskViewSet(BoardViewSet):
         if not tasks and data["wait"] > 0:
             # For board.waiting, which holds the request between attempts: when work next
             # becomes claimable without an event to announce it.
-            at = Task.objects.next_claimable_at(data["queues"])
+            at = Task.objects.next_claimable_at(queues)
             if at is not None:
                 response[waiting.HINT_HEADER.decode()] = str(at.timestamp())
+            if self.access.limited:
+                # The queues this claim takes from, which may be fewer than its body named:
+                # board.waiting wakes it only for these.
+                response[waiting.QUEUES_HEADER.decode()] = ",".join(queues)
         return response
 
     def _transition(self, pk: str, transition: Any, serializer_class: Any) -> Response:
         """Validate the body with ``serializer_class``, apply ``transition``, render the task."""
+        self.access.check_task(int(pk))
         task = transition(
             task_id=int(pk), actor=self.request.user, **self.validated(serializer_class)
         )
@@ -163,7 +194,13 @@ class TaskViewSet(BoardViewSet):
             "the task."
         ),
         request=s.HeartbeatSerializer,
-        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
     )
     @action(detail=True, methods=["post"])
     def heartbeat(self, request: Request, pk: str) -> Response:
@@ -177,7 +214,13 @@ class TaskViewSet(BoardViewSet):
             "the task."
         ),
         request=s.CompleteSerializer,
-        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
     )
     @action(detail=True, methods=["post"])
     def complete(self, request: Request, pk: str) -> Response:
@@ -191,7 +234,13 @@ class TaskViewSet(BoardViewSet):
             "the task."
         ),
         request=s.FailSerializer,
-        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
     )
     @action(detail=True, methods=["post"])
     def fail(self, request: Request, pk: str) -> Response:
@@ -205,7 +254,13 @@ class TaskViewSet(BoardViewSet):
             "the task."
         ),
         request=s.LeaseSerializer,
-        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
     )
     @action(detail=True, methods=["post"])
     def release(self, request: Request, pk: str) -> Response:
@@ -219,7 +274,13 @@ class TaskViewSet(BoardViewSet):
             "the task."
         ),
         request=s.EscalateSerializer,
-        responses={200: s.TaskSerializer, **ERRORS_400, **ERRORS_404, **ERRORS_409_LEASE},
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
     )
     @action(detail=True, methods=["post"])
     def escalate(self, request: Request, pk: str) -> Response:
@@ -236,7 +297,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def requeue(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.requeue, s.NoteSerializer)
 
@@ -251,7 +312,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def resolve(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.resolve, s.ResolveSerializer)
 
@@ -266,7 +327,7 @@ class TaskViewSet(BoardViewSet):
             **ERRORS_409_TRANSITION,
         },
     )
-    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[MayTriage])
     def cancel(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.cancel, s.NoteSerializer)
 
@@ -293,6 +354,7 @@ class EventViewSet(BoardViewSet):
 
     queryset = TaskEvent.objects.all()
     serializer_class = s.EventSerializer
+    queue_field = "task__queue"
 
     @extend_schema(
         operation_id="events_list",
@@ -302,7 +364,7 @@ class EventViewSet(BoardViewSet):
     )
     def list(self, request: Request) -> Response:
         params = self.query(s.EventFilterSerializer)
-        events = TaskEvent.objects.all()
+        events = self.get_queryset()
         if "task" in params:
             events = events.filter(task_id=params["task"])
         if "type" in params:

@@ -402,14 +402,14 @@ def create_agents(count: int) -> list[tuple[str, str]]:
     """Create ``count`` agents with API tokens in the current database; return
     (username, token) pairs."""
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from access import tokens
 
     User = get_user_model()
     agents = []
     for index in range(count):
         user = User.objects.create(username=f"{AGENT_PREFIX}{index}")
-        token = Token.objects.create(user=user)
-        agents.append((user.username, token.key))
+        agents.append((user.username, str(tokens.issue(user).key)))
     return agents
 
 

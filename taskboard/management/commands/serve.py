@@ -6,13 +6,14 @@ import os
 import secrets
 from typing import Any
 
-import uvicorn
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
-from rest_framework.authtoken.models import Token
+
+from access import tokens
+from taskboard import server
 
 
 def uses_embedded_database() -> bool:
@@ -54,18 +55,19 @@ class Command(BaseCommand):
             )
         )
         self.stdout.flush()
-        uvicorn.run(
+        config = server.Config(
             "taskboard.asgi:application",
             host=options["host"],
             port=options["port"],
             workers=options["workers"],
             lifespan="on",
-            # Open event streams never end by themselves: give them this long on shutdown.
+            # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
             log_level=os.environ.get("LOG_LEVEL", "info").lower(),
             proxy_headers=True,
             server_header=False,
         )
+        server.run(config)
 
     def first_run_accounts(self) -> None:
         """On a new embedded database, create ``admin`` and ``demo-agent`` and print their
@@ -79,7 +81,7 @@ class Command(BaseCommand):
             agent, _ = User.objects.get_or_create(username="demo-agent")
             agent.set_unusable_password()
             agent.save()
-            token, _ = Token.objects.get_or_create(user=agent)
+            token = tokens.issue(agent)
         self.stdout.write(
             self.style.SUCCESS("First run: created accounts (shown once, keep them):")
         )

@@ -1,0 +1,175 @@
+"""Failed authentication, throttled per client address, across every server process.
+
+After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stream, failed
+logins at /admin/login/ and /accounts/login/) from one address within a window of
+TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS, every request from that address that would
+authenticate answers ``429 {"error": "throttled"}`` (a page at the login forms) with
+``Retry-After`` until the window ends, even one carrying a valid token: otherwise a
+guesser would learn from the status which guess was right. Successful requests count
+nothing, so a client that only ever authenticates successfully is never throttled.
+
+The counts live in PostgreSQL (the UNLOGGED ``auth_failures`` table, one upsert per
+failure), not in process memory, so that N processes on one database enforce one limit.
+Why not a library: django-axes throttles only Django's logins (by username and address,
+with its own lockout rules), and django-ratelimit counts through Django's cache, whose
+``incr`` on the database cache is a read followed by a write, which loses counts between
+processes; one upsert does not.
+
+The client address is ``REMOTE_ADDR``, as uvicorn sets it (``taskboard serve`` trusts
+``X-Forwarded-For`` only from 127.0.0.1, a proxy on the same host).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import reverse
+
+from board.middleware import database_unavailable, error_response, is_database_outage
+from board.sql import load
+
+logger = logging.getLogger(__name__)
+
+QUERIES = load(Path(__file__).with_name("throttle.sql"))
+
+API_PREFIX = "/api/"
+# What the API serves to anyone, with no authentication at all.
+PUBLIC_API_PREFIXES = ("/api/v1/schema/", "/api/v1/docs/")
+
+
+def limit() -> int:
+    """Return the failures an address may make in a window (0: no throttle)."""
+    return int(getattr(settings, "TASKBOARD_AUTH_FAILURE_LIMIT", 30))
+
+
+def window() -> int:
+    """Return the window's length in seconds."""
+    return max(1, int(getattr(settings, "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)))
+
+
+def retry_after(address: str) -> int | None:
+    """Return the seconds until ``address`` may authenticate again, or None if it may now."""
+    if limit() <= 0:
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES["failures"], {"address": address, "window": window()})
+        row = cursor.fetchone()
+    if row is None or row[0] < limit():
+        return None
+    return max(1, int(row[1]))
+
+
+class Throttled(Exception):
+    """The address is over the limit; ``seconds`` until its window ends."""
+
+    def __init__(self, seconds: int) -> None:
+        super().__init__(f"Throttled for {seconds} s.")
+        self.seconds = seconds
+
+
+def check(address: str) -> None:
+    """Raise :class:`Throttled` if ``address`` is over the limit."""
+    seconds = retry_after(address)
+    if seconds is not None:
+        raise Throttled(seconds)
+
+
+def record_failure(address: str) -> None:
+    """Count one failed authentication from ``address``."""
+    if limit() <= 0:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES["record_failure"], {"address": address, "window": window()})
+        failures, _ = cursor.fetchone()
+        if failures == 1:
+            cursor.execute(QUERIES["forget_ended_windows"])
+        elif failures == limit():
+            logger.warning("throttling authentication from %s: %d failures", address, failures)
+
+
+def throttled(seconds: int) -> JsonResponse:
+    """Return the 429 answer, with ``Retry-After``."""
+    response = error_response(
+        429,
+        "throttled",
+        f"Too many failed authentications from this address. Try again in {seconds} seconds.",
+    )
+    response["Retry-After"] = str(seconds)
+    return response
+
+
+def page(seconds: int) -> HttpResponse:
+    """Return the 429 answer for a person at a login form: a page, with ``Retry-After``."""
+    response = HttpResponse(
+        "<!doctype html><title>Too many failed logins · Taskboard</title>"
+        "<h1>Too many failed logins</h1>"
+        f"<p>Too many failed logins came from your address. Try again in {seconds} seconds.</p>",
+        status=429,
+    )
+    response["Retry-After"] = str(seconds)
+    return response
+
+
+def address_of(request: HttpRequest) -> str:
+    return str(request.META.get("REMOTE_ADDR") or "")
+
+
+@cache
+def login_paths() -> frozenset[str]:
+    return frozenset({reverse("admin:login"), reverse("login")})
+
+
+def authenticates(request: HttpRequest) -> bool:
+    """Tell whether ``request`` is one the throttle guards: an API call that authenticates,
+    or a login."""
+    path = request.path
+    if path.startswith(API_PREFIX):
+        return not path.startswith(PUBLIC_API_PREFIXES)
+    return request.method == "POST" and path in login_paths()
+
+
+class FailedAuthenticationThrottle:
+    """Django middleware: refuse throttled addresses with 429 before any authentication,
+    and count the API's 401 answers. Failed logins are counted by :func:`on_login_failed`.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if not authenticates(request):
+            return self.get_response(request)
+        address = address_of(request)
+        try:
+            seconds = retry_after(address)
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            logger.warning("database unavailable: %s", exc)
+            return database_unavailable()
+        if seconds is not None:
+            return throttled(seconds) if request.path.startswith(API_PREFIX) else page(seconds)
+        response = self.get_response(request)
+        if response.status_code == 401:
+            try:
+                record_failure(address)
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    raise
+                logger.warning("could not count a failed authentication: %s", exc)
+        return response
+
+
+def on_login_failed(
+    sender: Any, credentials: Any, request: HttpRequest | None = None, **kwargs: Any
+) -> None:
+    """``user_login_failed`` receiver: count a failed login from the request's address."""
+    if request is not None:
+        record_failure(address_of(request))

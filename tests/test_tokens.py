@@ -1,0 +1,479 @@
+"""Tokens stored hashed (access.tokens, access.admin) and failed authentication throttled
+per client address (access.throttle), on the API, the stream and the login forms."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from rest_framework.test import APIClient
+
+from access import tokens
+from access.models import ApiToken, AuthFailure
+from tests.factories import StaffFactory, TokenFactory, UserFactory
+from tests.live import LiveServer, live_server
+
+TOKENS_URL = reverse("admin:access_apitoken_changelist")
+
+
+def api_client(token: str | None = None, address: str = "127.0.0.1") -> APIClient:
+    client = APIClient(REMOTE_ADDR=address)
+    if token is not None:
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    return client
+
+
+def tables_holding(text: str) -> list[str]:
+    """Return every table of the database that holds ``text`` in any column of any row."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT quote_ident(table_schema) || '.' || quote_ident(table_name) "
+            "FROM information_schema.tables "
+            "WHERE table_type = 'BASE TABLE' "
+            "AND table_schema NOT IN ('pg_catalog', 'information_schema')"
+        )
+        tables = [name for (name,) in cursor.fetchall()]
+        holding = []
+        for table in tables:
+            # A whole row cast to text holds every column's value.
+            cursor.execute(f"SELECT 1 FROM {table} AS t WHERE strpos(t::text, %s) > 0", [text])
+            if cursor.fetchone():
+                holding.append(table)
+        return holding
+
+
+def fresh_window(seconds_needed: float = 10) -> None:
+    """Wait, if need be, until the current throttle window has ``seconds_needed`` left, so
+    that a test's failures all fall in one window."""
+    from access import throttle
+
+    window = throttle.window()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM statement_timestamp())::float8")
+        now = cursor.fetchone()[0]
+    left = window - now % window
+    if left < seconds_needed:
+        time.sleep(left + 0.05)
+
+
+# Tokens stored hashed
+
+
+@pytest.mark.django_db
+def test_no_table_holds_a_token_in_plain_text(settings: Any) -> None:
+    out: list[str] = []
+    for command in (["create_agent", "bot-1"], ["drf_create_token", "-r", "bot-1"]):
+        from io import StringIO
+
+        buffer = StringIO()
+        call_command(*command, stdout=buffer)
+        out.append(buffer.getvalue())
+    agent_token = out[0].splitlines()[-1]
+    human_token = out[1].split()[2]
+    factory_token = str(TokenFactory(user=UserFactory(username="bot-2")).key)
+    assert api_client(factory_token).get("/api/v1/tasks/").status_code == 200
+
+    for token in (agent_token, human_token, factory_token):
+        assert tables_holding(token) == []
+    # The search finds what is there: the digest of the token in use.
+    assert tables_holding(tokens.digest(factory_token)) == ["public.api_tokens"]
+
+
+@pytest.mark.django_db
+def test_drf_tokens_keep_working_after_the_migration_hashes_them(settings: Any) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    user = UserFactory(username="old-agent")
+    key = "0123456789abcdef0123456789abcdef01234567"
+    with connection.cursor() as cursor:
+        # DRF's rest_framework.authtoken table, as its migrations made it.
+        cursor.execute(
+            "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, "
+            "created timestamptz NOT NULL, user_id integer NOT NULL UNIQUE)"
+        )
+        cursor.execute(
+            "INSERT INTO authtoken_token VALUES (%s, now() - interval '1 day', %s)", [key, user.pk]
+        )
+    migration = importlib.import_module("access.migrations.0001_initial")
+
+    with connection.schema_editor() as editor:
+        migration.hash_drf_tokens(None, editor)
+
+    assert "authtoken_token" not in connection.introspection.table_names()
+    assert ApiToken.objects.get(user=user).digest == tokens.digest(key)
+    assert tables_holding(key) == []
+    response = api_client(key).post("/api/v1/tasks/", {"title": "still me"}, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["created_by"] == "old-agent"
+    assert (
+        api_client(key).get("/api/v1/tasks/", HTTP_AUTHORIZATION=f"Token {key}").status_code == 200
+    )
+
+
+@pytest.mark.django_db
+def test_migrating_a_database_with_drf_tokens_hashes_them(settings: Any) -> None:
+    from django.db.migrations.executor import MigrationExecutor
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    user = UserFactory(username="older-agent")
+    key = "fedcba9876543210fedcba9876543210fedcba98"
+    executor = MigrationExecutor(connection)
+    executor.migrate([("access", None)])  # back to before this app: no api_tokens
+    assert "api_tokens" not in connection.introspection.table_names()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, "
+            "created timestamptz NOT NULL, user_id integer NOT NULL UNIQUE)"
+        )
+        cursor.execute("INSERT INTO authtoken_token VALUES (%s, now(), %s)", [key, user.pk])
+
+    executor = MigrationExecutor(connection)
+    executor.migrate([("access", "0001_initial")])
+
+    assert "authtoken_token" not in connection.introspection.table_names()
+    assert tables_holding(key) == []
+    assert api_client(key).get("/api/v1/tasks/").status_code == 200
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT relpersistence FROM pg_class WHERE relname = 'auth_failures'")
+        assert cursor.fetchone() == ("u",)  # UNLOGGED
+
+
+@pytest.fixture
+def token_admin(db: None) -> Client:
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("root", password="x"))
+    return client
+
+
+def shown_token(response: Any) -> str:
+    [token] = [t.key for t in response.context["issued"]]
+    assert token and token in response.content.decode()
+    return str(token)
+
+
+@pytest.mark.django_db
+def test_staff_rotate_a_token_in_the_admin_and_see_the_new_one_once(
+    token_admin: Client, agent: Any, settings: Any
+) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    old = str(TokenFactory(user=agent).key)
+    assert api_client(old).get("/api/v1/tasks/").status_code == 200
+
+    response = token_admin.post(TOKENS_URL, {"action": "rotate", "_selected_action": [agent.pk]})
+
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    new = shown_token(response)
+    assert new != old
+    assert api_client(old).get("/api/v1/tasks/").status_code == 401
+    assert api_client(new).get("/api/v1/tasks/").status_code == 200
+    # Shown once: neither the list nor the token's page shows it again, and no table has it.
+    for url in (TOKENS_URL, reverse("admin:access_apitoken_change", args=[agent.pk])):
+        assert new not in token_admin.get(url).content.decode()
+    assert tables_holding(new) == []
+
+
+@pytest.mark.django_db
+def test_the_rotate_button_on_a_tokens_page_rotates_it(
+    token_admin: Client, agent: Any, settings: Any
+) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    old = str(TokenFactory(user=agent).key)
+    page = token_admin.get(reverse("admin:access_apitoken_change", args=[agent.pk]))
+    rotate_url = reverse("admin:access_apitoken_rotate", args=[agent.pk])
+    assert rotate_url in page.content.decode()
+
+    assert token_admin.get(rotate_url).status_code == 405
+    new = shown_token(token_admin.post(rotate_url))
+
+    assert api_client(old).get("/api/v1/tasks/").status_code == 401
+    assert api_client(new).get("/api/v1/tasks/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_staff_issue_a_token_for_a_user_that_has_none(token_admin: Client, agent: Any) -> None:
+    response = token_admin.post(reverse("admin:access_apitoken_add"), {"user": agent.pk})
+
+    assert response.status_code == 200
+    new = shown_token(response)
+    assert api_client(new).get("/api/v1/tasks/").json()["results"] == []
+
+
+@pytest.mark.django_db
+def test_adding_a_token_for_a_user_that_has_one_replaces_nothing(
+    token_admin: Client, agent: Any
+) -> None:
+    old = str(TokenFactory(user=agent).key)
+
+    response = token_admin.post(reverse("admin:access_apitoken_add"), {"user": agent.pk})
+
+    assert response.status_code == 200 and "issued" not in response.context
+    assert "already exists" in response.content.decode()
+    assert api_client(old).get("/api/v1/tasks/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_staff_without_the_permission_cannot_rotate(agent: Any) -> None:
+    TokenFactory(user=agent)
+    client = Client()
+    client.force_login(StaffFactory(username="ops-bob"))
+
+    assert client.post(reverse("admin:access_apitoken_rotate", args=[agent.pk])).status_code == 403
+    assert client.get(TOKENS_URL).status_code == 403
+
+
+# Failed authentication throttled
+
+
+def assert_throttled(response: Any) -> None:
+    assert response.status_code == 429, response.content
+    body = response.json()
+    assert body["error"] == "throttled" and "Try again in" in body["detail"]
+    assert 1 <= int(response["Retry-After"]) <= 60
+
+
+@pytest.mark.django_db
+def test_the_31st_failure_in_a_minute_is_throttled_even_with_a_valid_token(agent: Any) -> None:
+    fresh_window()
+    token = str(TokenFactory(user=agent).key)
+    guesser = api_client("not-a-real-token", address="10.0.0.66")
+    for _ in range(30):
+        assert guesser.get("/api/v1/tasks/").status_code == 401
+
+    assert_throttled(guesser.get("/api/v1/tasks/"))
+    # Also the right token, from that address: the status must not tell a right guess.
+    assert_throttled(api_client(token, address="10.0.0.66").get("/api/v1/tasks/"))
+    assert_throttled(api_client(None, address="10.0.0.66").get("/api/v1/events/"))
+    # Another address is not concerned.
+    assert api_client(token, address="10.0.0.7").get("/api/v1/tasks/").status_code == 200
+    assert AuthFailure.objects.get(address="10.0.0.66").failures == 30
+
+
+@pytest.mark.django_db
+def test_a_client_that_only_authenticates_successfully_is_never_throttled(agent: Any) -> None:
+    client = api_client(str(TokenFactory(user=agent).key), address="10.0.0.8")
+
+    statuses = {client.get("/api/v1/tasks/").status_code for _ in range(100)}
+
+    assert statuses == {200}
+    assert not AuthFailure.objects.exists()
+
+
+@pytest.mark.django_db
+def test_failed_session_authentication_counts_and_a_session_is_throttled_too(
+    agent: Any, settings: Any
+) -> None:
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
+    fresh_window()
+    browser = Client(REMOTE_ADDR="10.0.0.9")
+    for _ in range(3):  # no session: 401
+        assert browser.get("/api/v1/tasks/").status_code == 401
+    browser.force_login(agent)
+
+    assert_throttled(browser.get("/api/v1/tasks/"))
+
+
+@pytest.mark.django_db
+def test_the_throttle_ends_with_its_window(agent: Any, settings: Any) -> None:
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
+    settings.TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = 2
+    token = str(TokenFactory(user=agent).key)
+    fresh_window(1.5)
+    for _ in range(3):
+        assert api_client("wrong").get("/api/v1/tasks/").status_code == 401
+    throttled = api_client(token).get("/api/v1/tasks/")
+    assert throttled.status_code == 429
+    assert int(throttled["Retry-After"]) <= 2
+
+    time.sleep(int(throttled["Retry-After"]) + 0.1)
+
+    assert api_client(token).get("/api/v1/tasks/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_the_schema_and_docs_need_no_authentication_and_are_not_throttled(
+    settings: Any,
+) -> None:
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 1
+    fresh_window()
+    assert api_client("wrong").get("/api/v1/tasks/").status_code == 401
+    assert api_client("wrong").get("/api/v1/tasks/").status_code == 429
+
+    assert api_client().get("/api/v1/schema/").status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("login_url", ["/admin/login/", "/accounts/login/"])
+def test_the_31st_failed_login_in_a_minute_is_throttled(login_url: str) -> None:
+    fresh_window()
+    get_user_model().objects.create_superuser("root", password="right-password")
+    browser = Client(REMOTE_ADDR="10.0.0.10")
+    for _ in range(30):
+        response = browser.post(login_url, {"username": "root", "password": "wrong"})
+        assert response.status_code == 200  # the form again, with its error
+
+    for password in ("wrong", "right-password"):
+        refused = browser.post(login_url, {"username": "root", "password": password})
+        assert refused.status_code == 429
+        assert "Try again in" in refused.content.decode()
+        assert 1 <= int(refused["Retry-After"]) <= 60
+        assert "_auth_user_id" not in browser.session
+    # The form itself still shows; another address still logs in.
+    assert browser.get(login_url).status_code == 200
+    other = Client(REMOTE_ADDR="10.0.0.11")
+    response = other.post(login_url, {"username": "root", "password": "right-password"})
+    assert response.status_code == 302
+
+
+# Across server processes, and on the stream (live servers, committed rows)
+
+
+@pytest.fixture
+def two_servers() -> Iterator[tuple[LiveServer, LiveServer]]:
+    with live_server() as first, live_server() as second:
+        yield first, second
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failures_through_two_servers_add_up(
+    two_servers: tuple[LiveServer, LiveServer], agent: Any
+) -> None:
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    bad = {"Authorization": "Bearer wrong"}
+    for n in range(30):
+        server = two_servers[n % 2]
+        assert httpx.get(f"{server.url}/api/v1/tasks/", headers=bad).status_code == 401
+
+    for server in two_servers:
+        response = httpx.get(
+            f"{server.url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"}
+        )
+        assert response.status_code == 429, response.text
+        assert response.json()["error"] == "throttled"
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_stream_counts_failures_and_is_throttled(server: LiveServer, agent: Any) -> None:
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    url = f"{server.url}/api/v1/stream/"
+    for n in range(30):
+        headers = {"Authorization": "Bearer wrong"} if n % 2 else {}
+        assert httpx.get(url, headers=headers).status_code == 401
+
+    refused = httpx.get(url, headers={"Authorization": f"Bearer {token}"})
+
+    assert refused.status_code == 429
+    assert refused.json()["error"] == "throttled"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    # The API shares the count: it is one throttle.
+    tasks = httpx.get(f"{server.url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
+    assert tasks.status_code == 429
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_stream_lets_a_valid_token_in_and_counts_nothing(
+    server: LiveServer, agent: Any
+) -> None:
+    token = str(TokenFactory(user=agent).key)
+    url = f"{server.url}/api/v1/stream/"
+    for _ in range(35):
+        with httpx.stream("GET", url, headers={"Authorization": f"Token {token}"}) as response:
+            assert response.status_code == 200
+
+    assert not AuthFailure.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_python_client_raises_throttled_with_the_wait(
+    server: LiveServer, agent: Any, settings: Any
+) -> None:
+    from taskboard.client import AuthenticationError, Client, Throttled
+
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 1
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    with Client(server.url, "wrong", retries=0) as stranger, pytest.raises(AuthenticationError):
+        stranger.list_tasks()
+    with Client(server.url, token, retries=0) as board:
+        with pytest.raises(Throttled) as refused:
+            board.claim()
+        with pytest.raises(Throttled):
+            next(board.stream())
+
+    assert refused.value.status == 429 and refused.value.code == "throttled"
+    assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
+
+
+@pytest.fixture
+def serve_process(tmp_path: Any) -> Iterator[str]:
+    """``taskboard serve`` in a process of its own, on the test database; yield its URL."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from urllib.parse import quote
+
+    from tests.live import free_port
+
+    params = connection.get_connection_params()
+    host = quote(str(params.get("host") or "127.0.0.1"), safe="")
+    url = f"postgresql://{params['user']}@{host}:{params.get('port', 5432)}/{params['dbname']}"
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": url, "TASKBOARD_DATA_DIR": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--no-migrate", "--port", str(port)],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "the server process exited"
+            assert time.monotonic() < deadline, "the server process did not start"
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@pytest.mark.django_db(transaction=True)
+def test_failures_through_two_server_processes_add_up(
+    server: LiveServer, serve_process: str, agent: Any
+) -> None:
+    token = str(TokenFactory(user=agent).key)
+    fresh_window()
+    bad = {"Authorization": "Bearer wrong"}
+    for n in range(30):
+        url = server.url if n % 2 else serve_process
+        assert httpx.get(f"{url}/api/v1/tasks/", headers=bad).status_code == 401
+
+    # Either process alone has seen 15: the limit holds because the count is shared.
+    for url in (server.url, serve_process):
+        response = httpx.get(f"{url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
+        assert response.status_code == 429, response.text
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
