@@ -81,13 +81,15 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
             ).start()
             eventually(lambda: ": connected" in resumed.comments, timeout=30, what="the resume")
             assert resumed.status == 200
+            after = create("after the resume")
+            # (That the session stalled is the relay's: B delivers nothing meanwhile.)
+            assert resumed.nothing_within(1.0), "B's relay is not the session stalled"
     finally:
         b.resume()
 
     assert len(created) == TASKS
     try:
         # Whatever B sends before the next event is a repeat: the client has seen it.
-        after = create("after the resume")
         delivered = [resumed.get(timeout=30)]
         while delivered[-1]["json"]["task_id"] != after:
             delivered.append(resumed.get(timeout=30))
