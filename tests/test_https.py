@@ -97,7 +97,7 @@ def test_the_pages_and_the_api_docs_work_under_the_content_security_policy(
 ) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_browser import CHROMIUM_ARGS
+    from tests.browser import CHROMIUM_ARGS
 
     serve, password = https_serve
     violations: list[str] = []
