@@ -130,7 +130,8 @@ class Subscriber:
 
 
 def django_conninfo(application_name: str = "taskboard-relay") -> str:
-    """Return a libpq connection string for Django's default database, for direct use."""
+    """Return a libpq connection string for Django's default database, for direct use,
+    with its sessions named ``application_name`` (over any name the settings give)."""
     params = connection.get_connection_params()
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
     kept = {
@@ -138,7 +139,7 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
         for key, value in params.items()
         if key in keywords and isinstance(value, str | int) and value != ""
     }
-    return psycopg.conninfo.make_conninfo("", **kept, application_name=application_name)
+    return psycopg.conninfo.make_conninfo("", **{**kept, "application_name": application_name})
 
 
 class Relay:

@@ -427,15 +427,11 @@ def test_the_relay_reconnects_at_once_after_every_loss_of_a_healthy_connection()
     assert max(delays) < 1.5, f"reconnect delays: {[round(d, 2) for d in delays]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="board.relay.django_conninfo passes application_name twice when the database "
-    "settings name one (DATABASE_URL=...?application_name=...): TypeError, the stream "
-    "answers 500 (found by the fault tests, issue 8)",
-)
 def test_a_database_url_that_names_its_sessions_still_streams(
     server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """DATABASE_URL=...?application_name=... names the server's sessions: the relay's
+    connection string took a second name and could not be made (a 500)."""
     options = connection.settings_dict.setdefault("OPTIONS", {})
     monkeypatch.setitem(options, "application_name", "taskboard-web")
 
