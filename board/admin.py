@@ -21,6 +21,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from board.access import queue_access
 from board.models import QueueLimit, Task, TaskEvent
 
 admin.site.site_header = "Taskboard administration"
@@ -99,6 +100,11 @@ class ReadOnlyTaskAdmin(ReadOnlyAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return TaskChangeList
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # A user limited to queues sees and triages only those, here as in the API: every
+        # list, page and action of these admins starts from this queryset.
+        return queue_access(request.user).visible(super().get_queryset(request))
+
     @admin.display(description="payload")
     def task_payload(self, task: Task) -> SafeString:
         return json_block(task.payload)
@@ -171,6 +177,9 @@ class TaskEventAdmin(ReadOnlyAdmin):
     show_full_result_count = False
     readonly_fields = ("id", "task", "type", "status", "actor", "event_payload", "created_at")
     fields = readonly_fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return queue_access(request.user).visible(super().get_queryset(request), "task__queue")
 
     @admin.display(description="payload")
     def event_payload(self, event: TaskEvent) -> SafeString:

@@ -705,3 +705,60 @@ def test_the_admin_is_titled_taskboard(admin_client: Client) -> None:
 
     assert "Taskboard administration" in page
     assert "<title>Taskboard | Taskboard admin</title>" in page
+
+
+# -- Staff limited to queues (board.access) ---------------------------------------------
+
+
+def test_staff_limited_to_queues_triage_only_their_queues_in_the_admin(
+    escalated: Callable[..., Task], triager: Any
+) -> None:
+    """The admin applies a queue limit as the API does: another queue's escalated tasks are
+    neither listed, nor opened, nor requeued, resolved or cancelled, one or many."""
+    from board.access import limit_queues
+
+    ours, theirs = escalated(queue="ours"), escalated(queue="theirs")
+    limit_queues(triager, ["ours"])
+    client = logged_in(triager)
+    before = history(theirs.pk)
+
+    listed = client.get(QUEUE_URL)
+    opened = client.get(change_url(theirs.pk))
+    one = client.post(button_url(theirs.pk, "requeue"))
+    many = client.post(
+        QUEUE_URL,
+        {"action": "cancel", "_selected_action": [theirs.pk, ours.pk], "confirm": "1"},
+    )
+
+    assert [task.pk for task in listed.context["cl"].result_list] == [ours.pk]
+    assert opened.status_code == 302  # Django's answer for an object the user cannot see
+    assert one.status_code == 302
+    assert history(theirs.pk) == before
+    assert Task.objects.get(pk=theirs.pk).status == TaskStatus.ESCALATED
+    assert Task.objects.get(pk=ours.pk).status == TaskStatus.CANCELLED, messages_of(many)
+
+
+def test_staff_limited_to_queues_see_only_their_queues_in_the_task_and_event_lists(
+    escalated: Callable[..., Task], staff: Any
+) -> None:
+    from board.access import limit_queues
+
+    ours, theirs = escalated(queue="ours"), escalated(queue="theirs")
+    staff.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_task", "view_taskevent"])
+    )
+    limit_queues(staff, ["ours"])
+    client = logged_in(staff)
+
+    tasks = client.get(reverse("admin:board_task_changelist"))
+    events = client.get(reverse("admin:board_taskevent_changelist"))
+    their_event = TaskEvent.objects.filter(task=theirs).first()
+    assert their_event is not None
+
+    assert [task.pk for task in tasks.context["cl"].result_list] == [ours.pk]
+    assert {event.task_id for event in events.context["cl"].result_list} == {ours.pk}
+    assert client.get(reverse("admin:board_task_change", args=[theirs.pk])).status_code == 302
+    assert (
+        client.get(reverse("admin:board_taskevent_change", args=[their_event.pk])).status_code
+        == 302
+    )
