@@ -29,11 +29,10 @@ __all__ = [
     "StreamFollower",
     "WorkerProcess",
     "cli_env",
+    "databases_named_like",
     "eventually",
     "free_port",
-    "stop",
     "tests_database_url",
-    "wait_until_healthy",
 ]
 
 
@@ -49,32 +48,6 @@ def eventually(check: Callable[[], Any], timeout: float = 10, what: str = "it") 
         time.sleep(0.05)
 
 
-def wait_until_healthy(url: str, server: subprocess.Popen[Any], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            output = server.stdout.read() if server.stdout else ""
-            raise AssertionError(f"the server exited: {output}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy in time")
-
-
-def stop(server: subprocess.Popen[str]) -> str:
-    """SIGTERM the server, wait for it (then SIGKILL), and return its output."""
-    server.terminate()
-    try:
-        output, _ = server.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        output, _ = server.communicate()
-    return output
-
-
 def tests_database_url() -> str:
     """Return a DATABASE_URL for the database Django is connected to (the test database)."""
     from django.db import connection
@@ -82,6 +55,22 @@ def tests_database_url() -> str:
     from taskboard.benchmark.harness import ServerParams
 
     return ServerParams.from_django().url(connection.settings_dict["NAME"])
+
+
+def databases_named_like(prefix: str) -> list[str]:
+    """Return the databases on the test server whose names start with ``prefix`` (what a
+    command's scratch databases left behind)."""
+    import psycopg
+    from django.db import connection
+
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    params.pop("context", None)
+    params.pop("prepare_threshold", None)
+    with psycopg.connect(**{**params, "dbname": "postgres"}) as conn:
+        rows = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"]
+        ).fetchall()
+    return [row[0] for row in rows]
 
 
 class HasURL(Protocol):
@@ -139,14 +128,31 @@ ACCESS_LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<st
 
 class ServeProcess:
     """``taskboard serve --no-migrate`` (or a first run, with ``migrate=True``) in a
-    subprocess on a free port, its output (access log included) in a file."""
+    subprocess on a free port, its output (access log included) in a file: stdout and
+    stderr together in ``log``, or stderr apart in ``stderr`` when a test reads them apart.
+
+    ``args`` are more options of ``serve`` (``"--workers", "2"``); ``data_dir`` serves the
+    embedded PostgreSQL of that data directory (a new one: a first run). Call
+    ``wait_healthy()`` before using it; ``send_signal()`` and ``wait()`` stop it as a test
+    decides, ``stop()`` as a process manager would."""
 
     def __init__(
-        self, log: Path, *, env: dict[str, str], migrate: bool = False, port: int | None = None
+        self,
+        log: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        data_dir: Path | None = None,
+        migrate: bool = False,
+        port: int | None = None,
+        stderr: Path | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.error_log = stderr
+        env = dict(env or {})
+        if data_dir is not None:
+            env["TASKBOARD_DATA_DIR"] = str(data_dir)
         environment = dict(os.environ)
         environment.pop("DJANGO_SETTINGS_MODULE", None)
         environment.update(LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **env)
@@ -155,15 +161,36 @@ class ServeProcess:
         command = [sys.executable, "-m", "taskboard.cli", "serve", "--port", str(self.port)]
         if not migrate:
             command.append("--no-migrate")
-        with log.open("ab") as out:
+        with contextlib.ExitStack() as files:
+            out = files.enter_context(log.open("ab"))
+            err = files.enter_context(stderr.open("ab")) if stderr else subprocess.STDOUT
             self.process = subprocess.Popen(
-                command,
+                [*command, *args],
                 cwd=ROOT,
                 env=environment,
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=err,
                 stdin=subprocess.DEVNULL,
             )
+
+    @classmethod
+    def on_data_dir(
+        cls, data_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 90
+    ) -> ServeProcess:
+        """Start ``serve ARGS`` on the embedded PostgreSQL of ``data_dir`` as a user would
+        (migrating first), its stdout and stderr apart in files beside ``data_dir``, and
+        return it once healthy."""
+        port = free_port()
+        server = cls(
+            data_dir.parent / f"serve-{port}.out",
+            *args,
+            env=env,
+            data_dir=data_dir,
+            migrate=True,
+            port=port,
+            stderr=data_dir.parent / f"serve-{port}.err",
+        )
+        return server.wait_healthy(timeout)
 
     @property
     def pid(self) -> int:
@@ -171,7 +198,18 @@ class ServeProcess:
 
     @property
     def output(self) -> str:
+        """What the server wrote to ``log``: stdout, and stderr unless it has a file apart."""
         return self.log.read_text(errors="replace")
+
+    @property
+    def error_output(self) -> str:
+        """What the server wrote to stderr (in ``output`` when not apart)."""
+        return self.error_log.read_text(errors="replace") if self.error_log else self.output
+
+    def _everything(self) -> str:
+        if self.error_log is None:
+            return self.output
+        return f"{self.output}\n--- stderr ---\n{self.error_output}"
 
     def statuses(self) -> list[tuple[str, str, int]]:
         """Return (method, path, status) of every response in the access log so far."""
@@ -201,11 +239,25 @@ class ServeProcess:
         deadline = time.monotonic() + timeout
         while self.health() != 200:
             if self.process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{self.output}")
+                raise AssertionError(f"the server exited:\n{self._everything()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"the server was not healthy in {timeout} s:\n{self.output}")
+                raise AssertionError(
+                    f"the server was not healthy in {timeout} s:\n{self._everything()}"
+                )
             time.sleep(0.2)
         return self
+
+    def send_signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        """Wait for the server to exit and return its status."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the server did not exit in {timeout} s:\n{self._everything()}"
+            ) from None
 
     def pause(self) -> None:
         self.process.send_signal(signal.SIGSTOP)

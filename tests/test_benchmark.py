@@ -7,12 +7,11 @@ import json
 import os
 from pathlib import Path
 
-import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection
 
 from taskboard.benchmark.harness import Figure, percentile
+from tests.processes import databases_named_like
 
 pytestmark = [pytest.mark.slow, pytest.mark.once]
 
@@ -51,11 +50,4 @@ def test_the_quick_api_scenario_reports_its_figures_and_drops_its_databases(
     assert figures["API claim+complete cycles/s"]["value"] > 0
     assert figures["API / raw SQL"]["passed"] in {True, False}
     assert "API / raw SQL" in stdout.getvalue()
-    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
-    params.pop("context", None)
-    params.pop("prepare_threshold", None)
-    with psycopg.connect(**{**params, "dbname": "postgres"}) as conn:
-        left = conn.execute(
-            "SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"]
-        ).fetchall()
-    assert left == []
+    assert databases_named_like(prefix) == []

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +44,7 @@ from taskboard.client import (
 )
 from tests.factories import TokenFactory, UserFactory, grant
 from tests.live import LiveServer, free_port, live_server
+from tests.processes import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,17 +80,6 @@ def other_board(
 def staff_board(server: LiveServer, fast_password_hashing: None, staff: Any) -> Iterator[Client]:
     with Client(server.url, token_of(grant(staff, "escalations.triage_task"))) as client:
         yield client
-
-
-def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.05)
 
 
 def expire_and_claim(task_id: int, actor: Any) -> Any:
@@ -443,7 +433,7 @@ def test_the_lease_helper_heartbeats_until_the_task_is_completed(board: Client) 
         return len(board.events(task=task, type="heartbeat").results)
 
     with board.lease(task) as lease:
-        eventually(lambda: heartbeats() >= 2)
+        eventually(lambda: heartbeats() >= 2, timeout=5, what="two heartbeats")
         assert time.monotonic() - claimed >= 1.9, "every third of the lease, not more often"
         assert not lease.lost
         leased_until = TaskRow.objects.get(id=task.id).leased_until

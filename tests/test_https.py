@@ -16,19 +16,21 @@ import httpx
 import pytest
 from django.test import Client
 
-from tests.serving import Serve
+from tests.processes import ServeProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 HTTPS = {"X-Forwarded-Proto": "https"}
 
 
 @pytest.fixture(scope="module")
-def https_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, str]]:
+def https_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, str]]:
     """A ``serve`` with TASKBOARD_HTTPS=true, and the first run's admin password."""
     data_dir = tmp_path_factory.mktemp("https") / "data"
-    serve = Serve(data_dir, env={"TASKBOARD_HTTPS": "true", "FORWARDED_ALLOW_IPS": "192.0.2.1"})
-    password = re.search(r"admin\s+password (\S+)", serve.stdout())
-    assert password, serve.stdout()
+    serve = ServeProcess.on_data_dir(
+        data_dir, env={"TASKBOARD_HTTPS": "true", "FORWARDED_ALLOW_IPS": "192.0.2.1"}
+    )
+    password = re.search(r"admin\s+password (\S+)", serve.output)
+    assert password, serve.output
     yield serve, password[1]
     serve.stop()
 
@@ -40,7 +42,7 @@ def cookie_header(response: httpx.Response, name: str) -> str:
 
 @pytest.mark.slow
 def test_over_https_the_server_sends_hsts_a_csp_and_secure_cookies(
-    https_serve: tuple[Serve, str],
+    https_serve: tuple[ServeProcess, str],
 ) -> None:
     serve, password = https_serve
     with httpx.Client(base_url=serve.url, headers=HTTPS) as client:
@@ -72,7 +74,7 @@ def test_over_https_the_server_sends_hsts_a_csp_and_secure_cookies(
 
 @pytest.mark.slow
 def test_hsts_is_sent_only_when_the_proxy_says_the_request_came_over_tls(
-    https_serve: tuple[Serve, str],
+    https_serve: tuple[ServeProcess, str],
 ) -> None:
     serve, _ = https_serve
     plain = httpx.get(f"{serve.url}/accounts/login/")
@@ -93,7 +95,7 @@ def test_without_taskboard_https_nothing_of_it_is_sent() -> None:
 @pytest.mark.once
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}")
 def test_the_pages_and_the_api_docs_work_under_the_content_security_policy(
-    https_serve: tuple[Serve, str],
+    https_serve: tuple[ServeProcess, str],
 ) -> None:
     from playwright.sync_api import expect, sync_playwright
 

@@ -3,47 +3,27 @@ embedded PostgreSQL, prints the first-run secrets once, and serves the API with 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.processes import ROOT, free_port, stop, wait_until_healthy
+from tests.processes import ServeProcess, free_port
 
 pytestmark = pytest.mark.slow
 
 
-def start_server(data_dir: Path, port: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "TASKBOARD_DATA_DIR": str(data_dir)}
-    env.pop("DATABASE_URL", None)
-    return subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-@pytest.fixture
-def data_dir(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "data"
-
-
-def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(data_dir: Path) -> None:
+def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(data_dir, port)
+    server = ServeProcess(tmp_path / "first.log", data_dir=data_dir, migrate=True, port=port)
     try:
-        wait_until_healthy(url, server)
+        server.wait_healthy()
     finally:
-        first_output = stop(server)
+        server.stop()
+    first_output = server.output
 
     assert "Board       http://127.0.0.1:" in first_output
     assert "/api/v1/docs/" in first_output
@@ -51,9 +31,9 @@ def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(data_dir: Path)
     token = re.search(r"demo-agent\s+token\s+(\S+)", first_output)
     assert password and token, first_output
 
-    server = start_server(data_dir, port)
+    server = ServeProcess(tmp_path / "second.log", data_dir=data_dir, migrate=True, port=port)
     try:
-        wait_until_healthy(url, server)
+        server.wait_healthy()
         headers = {"Authorization": f"Bearer {token[1]}"}
         created = httpx.post(f"{url}/api/v1/tasks/", json={"title": "hello"}, headers=headers)
         assert created.status_code == 201, created.text
@@ -63,6 +43,7 @@ def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(data_dir: Path)
         login = httpx.get(f"{url}/admin/login/")
         assert login.status_code == 200
     finally:
-        second_output = stop(server)
+        server.stop()
+    second_output = server.output
 
     assert "password" not in second_output, "the secrets are printed on the first run only"

@@ -8,10 +8,10 @@ import json
 import os
 from pathlib import Path
 
-import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection
+
+from tests.processes import databases_named_like
 
 pytestmark = [pytest.mark.slow, pytest.mark.once]
 
@@ -51,11 +51,4 @@ def test_a_short_soak_prints_the_servers_resources_and_sees_no_server_error(
     assert data["actions"]["stream"] > 0 and data["actions"]["read"] > 0
     assert all(sample["rss_mb"] > 0 and sample["fds"] > 0 for sample in data["samples"])
     assert max(sample["connections"] for sample in data["samples"]) >= 1
-    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
-    params.pop("context", None)
-    params.pop("prepare_threshold", None)
-    with psycopg.connect(**{**params, "dbname": "postgres"}) as conn:
-        left = conn.execute(
-            "SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"]
-        ).fetchall()
-    assert left == []
+    assert databases_named_like(prefix) == []

@@ -68,9 +68,7 @@ def fresh_board(tmp_path: Path) -> Iterator[FreshBoard]:
     """Serve a new board on its own embedded PostgreSQL; stop both at teardown."""
     data_dir = tmp_path / "data"
     cluster = EmbeddedCluster(data_dir)
-    server = ServeProcess(
-        tmp_path / "fresh-serve.log", env={"TASKBOARD_DATA_DIR": str(data_dir)}, migrate=True
-    )
+    server = ServeProcess(tmp_path / "fresh-serve.log", data_dir=data_dir, migrate=True)
     try:
         server.wait_healthy(120)
         password = re.search(r"admin\s+password (\S+)", server.output)

@@ -30,7 +30,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.serving import Serve
+from tests.processes import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.once]
 
@@ -61,11 +61,11 @@ def holders(data_dir: Path) -> list[int]:
 def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     """A data directory with a migrated database, and the demo agent's token."""
     data_dir = tmp_path_factory.mktemp("serve-stops") / "data"
-    first = Serve(data_dir)
-    token = re.search(r"demo-agent\s+token\s+(\S+)", first.stdout())
-    first.signal(signal.SIGTERM)
+    first = ServeProcess.on_data_dir(data_dir)
+    token = re.search(r"demo-agent\s+token\s+(\S+)", first.output)
+    first.send_signal(signal.SIGTERM)
     first.wait()
-    assert token, first.stdout()
+    assert token, first.output
     yield data_dir, token[1]
     # Whatever a failed test left running.
     pid = postmaster_pid(data_dir)
@@ -78,34 +78,34 @@ def test_sigterm_stops_serve_and_its_embedded_postgresql(
     board: tuple[Path, str], workers: str
 ) -> None:
     data_dir, _ = board
-    serve = Serve(data_dir, "--workers", workers)
+    serve = ServeProcess.on_data_dir(data_dir, "--workers", workers)
     postmaster = postmaster_pid(data_dir)
     assert postmaster is not None and alive(postmaster)
     assert serve.process.pid in holders(data_dir)
 
-    serve.signal(signal.SIGTERM)
+    serve.send_signal(signal.SIGTERM)
     status = serve.wait()
 
-    assert status == 0, serve.stderr()
+    assert status == 0, serve.error_output
     assert not alive(postmaster), "the embedded PostgreSQL stopped with its last holder"
     assert holders(data_dir) == []
-    assert "Traceback" not in serve.stderr()
+    assert "Traceback" not in serve.error_output
 
 
 def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
     board: tuple[Path, str],
 ) -> None:
     data_dir, _ = board
-    killed = Serve(data_dir)
-    killed.signal(signal.SIGKILL)
+    killed = ServeProcess.on_data_dir(data_dir)
+    killed.send_signal(signal.SIGKILL)
     killed.wait()
     postmaster = postmaster_pid(data_dir)
     assert postmaster is not None and alive(postmaster), "nothing could stop it"
     assert killed.process.pid in holders(data_dir), "nothing could take its pid out"
 
-    serve = Serve(data_dir)
-    serve.signal(signal.SIGTERM)
-    assert serve.wait() == 0, serve.stderr()
+    serve = ServeProcess.on_data_dir(data_dir)
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.error_output
 
     assert not alive(postmaster), "the last live holder stopped the server"
     assert holders(data_dir) == []
@@ -115,7 +115,7 @@ class OpenStream:
     """GET /api/v1/stream/ held open in a thread; ``ended`` resolves to when and how it
     ended: (time.monotonic(), whether the response ended as HTTP says it should)."""
 
-    def __init__(self, serve: Serve, token: str) -> None:
+    def __init__(self, serve: ServeProcess, token: str) -> None:
         self.opened = threading.Event()
         self.ended: Future[tuple[float, bool]] = Future()
         self.body = b""
@@ -138,7 +138,7 @@ class OpenStream:
 
 def test_sigterm_ends_open_streams_and_waiting_claims_at_once(board: tuple[Path, str]) -> None:
     data_dir, token = board
-    serve = Serve(data_dir)
+    serve = ServeProcess.on_data_dir(data_dir)
     stream = OpenStream(serve, token)
     claim: Future[httpx.Response] = Future()
 
@@ -156,7 +156,7 @@ def test_sigterm_ends_open_streams_and_waiting_claims_at_once(board: tuple[Path,
     time.sleep(1)  # the claim has made its first, empty, attempt and waits
 
     signalled = time.monotonic()
-    serve.signal(signal.SIGTERM)
+    serve.send_signal(signal.SIGTERM)
     ended_at, clean = stream.ended.result(timeout=30)
     answered = claim.result(timeout=30)
     status = serve.wait()
@@ -169,5 +169,5 @@ def test_sigterm_ends_open_streams_and_waiting_claims_at_once(board: tuple[Path,
     assert answered.json() == {"tasks": []}
     assert status == 0
     assert stopped < GRACEFUL_SECONDS, "nothing waited out the graceful period"
-    assert "Traceback" not in serve.stderr()
-    assert "CancelledError" not in serve.stderr()
+    assert "Traceback" not in serve.error_output
+    assert "CancelledError" not in serve.error_output
