@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from importlib import import_module
 from typing import Any
@@ -82,6 +83,96 @@ def _user(headers: dict[str, str]) -> Any:
     request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
     user = get_user(request)
     return user if user.is_authenticated else None
+
+
+@dataclass(eq=False)
+class OpenStream:
+    """A stream's credentials and what they allow now: re-checked while it is open, so a
+    rotated or deleted token, a deactivated user or a changed queue limit reaches open
+    streams as it reaches the API, within TASKBOARD_TOKEN_CACHE_SECONDS."""
+
+    credentials: tuple[str, str]  # (Authorization header, session cookie)
+    access: QueueAccess
+    revoked: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def allows(self, queue: str) -> bool:
+        return self.access.allows(queue)
+
+
+def credentials_of(headers: dict[str, str]) -> tuple[str, str]:
+    morsel = SimpleCookie(headers.get("cookie", "")).get(settings.SESSION_COOKIE_NAME)
+    return headers.get("authorization", ""), morsel.value if morsel else ""
+
+
+def reauthorize(credentials: set[tuple[str, str]]) -> dict[tuple[str, str], QueueAccess]:
+    """Return what each of ``credentials`` allows now; those no longer valid are absent.
+
+    Runs in a worker thread, one connection for the whole batch, closed before returning.
+    Nothing here counts as a failed authentication: these credentials were valid.
+    """
+    allowed = {}
+    try:
+        for authorization, session in credentials:
+            headers = {"authorization": authorization}
+            if session:
+                headers["cookie"] = f"{settings.SESSION_COOKIE_NAME}={session}"
+            user = _user(headers)
+            if user is not None:
+                allowed[authorization, session] = queue_access(user)
+    finally:
+        connection.close()
+    return allowed
+
+
+# The open streams of each event loop (server process), and the task that re-checks them.
+_open_streams: dict[asyncio.AbstractEventLoop, set[OpenStream]] = {}
+_rechecking: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
+
+
+def recheck_seconds() -> float:
+    return max(1.0, float(settings.TASKBOARD_TOKEN_CACHE_SECONDS))
+
+
+def open_stream(credentials: tuple[str, str], access: QueueAccess) -> OpenStream:
+    """Register a stream for re-checking; the caller unregisters it with close_stream()."""
+    loop = asyncio.get_running_loop()
+    stream = OpenStream(credentials, access)
+    _open_streams.setdefault(loop, set()).add(stream)
+    task = _rechecking.get(loop)
+    if task is None or task.done():
+        _rechecking[loop] = loop.create_task(_recheck_open_streams(), name="stream-recheck")
+    return stream
+
+
+def close_stream(stream: OpenStream) -> None:
+    loop = asyncio.get_running_loop()
+    streams = _open_streams.get(loop, set())
+    streams.discard(stream)
+    if not streams and (task := _rechecking.pop(loop, None)) is not None:
+        task.cancel()  # nothing left to re-check; the next stream starts it again
+
+
+async def _recheck_open_streams() -> None:
+    """Every recheck_seconds(), look up the credentials of this process's open streams at
+    once (each distinct token or session once): revoked ones end their streams, which
+    the client then reopens and gets 401; the rest take up their current queue limit."""
+    streams = _open_streams[asyncio.get_running_loop()]
+    while True:
+        await asyncio.sleep(recheck_seconds())
+        batch = list(streams)
+        try:
+            allowed = await sync_to_async(reauthorize, thread_sensitive=False)(
+                {stream.credentials for stream in batch}
+            )
+        except DatabaseError as exc:
+            logger.warning("stream: could not re-check credentials: %s", exc)
+            continue  # keep the streams; try again next time
+        for stream in batch:
+            access = allowed.get(stream.credentials)
+            if access is None:
+                stream.revoked.set()
+            else:
+                stream.access = access
 
 
 def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
@@ -152,35 +243,41 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.body", "body": b""})
         return
 
+    stream = open_stream(credentials_of(headers), access)
+
     async def write() -> None:
-        async for chunk in events(relay, after, access):
+        async for chunk in events(relay, after, stream):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     writer = asyncio.create_task(write())
     listener = asyncio.create_task(until_disconnect(receive))
     shutdown = asyncio.create_task(closing().wait())
+    revoked = asyncio.create_task(stream.revoked.wait())
     try:
         done, _ = await asyncio.wait(
-            {writer, listener, shutdown}, return_when=asyncio.FIRST_COMPLETED
+            {writer, listener, shutdown, revoked}, return_when=asyncio.FIRST_COMPLETED
         )
-        # The server is shutting down while the stream is open (and the client still there).
-        stopping = done == {shutdown}
+        # The server is shutting down, or the credentials were revoked, while the stream
+        # is open (and the client still there).
+        ending = not done & {writer, listener}
     finally:
-        for task in (writer, listener, shutdown):
+        close_stream(stream)
+        for task in (writer, listener, shutdown, revoked):
             task.cancel()
-        for task in (writer, listener, shutdown):
+        for task in (writer, listener, shutdown, revoked):
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await task
-    if stopping:
+    if ending:
         # End the response: the client reconnects (to another server, or to this one
-        # restarted) after RETRY_MILLISECONDS, and resumes after its last event.
+        # restarted) after RETRY_MILLISECONDS, and resumes after its last event; with
+        # revoked credentials, it is refused then.
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b""})
 
 
 async def events(
-    relay: Relay, after: Cursor | None, access: QueueAccess = EVERY_QUEUE
+    relay: Relay, after: Cursor | None, access: QueueAccess | OpenStream = EVERY_QUEUE
 ) -> AsyncIterator[bytes]:
     """Yield the SSE byte stream: a replay after ``after`` (if given), then live events,
     of the queues ``access`` allows."""

@@ -439,3 +439,62 @@ def test_a_database_url_that_names_its_sessions_still_streams(
         assert stream.status == 200
         task = transitions.create(actor=agent, title="named sessions")
         assert stream.get()["json"]["task_id"] == task.id
+
+
+def ended_within(stream: StreamCollector, seconds: float) -> bool:
+    """Return whether the server ended ``stream`` within ``seconds``."""
+    stream._thread.join(seconds)
+    return not stream._thread.is_alive()
+
+
+@pytest.fixture
+def quick_recheck(settings: Any) -> None:
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 1
+
+
+@pytest.mark.usefixtures("quick_recheck")
+def test_an_open_stream_ends_when_its_token_is_rotated(server: LiveServer) -> None:
+    from access import tokens
+
+    user = UserFactory(username="leaky")
+    old = TokenFactory(user=user).key
+    with StreamCollector(stream_url(server), {"Authorization": f"Bearer {old}"}) as stream:
+        assert stream.status == 200
+        tokens.issue(user)
+
+        assert ended_within(stream, 5), "the stream outlived its token"
+    with StreamCollector(stream_url(server), {"Authorization": f"Bearer {old}"}) as again:
+        assert again.status == 401
+
+
+@pytest.mark.usefixtures("quick_recheck")
+def test_an_open_stream_ends_when_its_user_is_deactivated(
+    server: LiveServer, watcher: dict[str, str]
+) -> None:
+    with StreamCollector(stream_url(server), watcher) as stream:
+        assert stream.status == 200
+        UserFactory._meta.model.objects.filter(username="watcher").update(is_active=False)
+
+        assert ended_within(stream, 5), "the stream outlived its user"
+
+
+@pytest.mark.usefixtures("quick_recheck")
+def test_an_open_stream_takes_up_a_changed_queue_limit(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    from board.access import limit_queues
+
+    user = UserFactory._meta.model.objects.get(username="watcher")
+    with StreamCollector(stream_url(server), watcher) as stream:
+        transitions.create(actor=agent, title="before", queue="secret")
+        assert stream.get()["json"]["type"] == "created"
+        limit_queues(user, ["open"])
+        time.sleep(2.5)  # more than two re-checks
+
+        transitions.create(actor=agent, title="hidden now", queue="secret")
+        visible = transitions.create(actor=agent, title="still seen", queue="open")
+        [event] = stream.take(1)
+        assert stream.nothing_within(0.5)
+        assert not ended_within(stream, 0)
+
+    assert event["json"]["task_id"] == visible.id
