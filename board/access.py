@@ -59,8 +59,8 @@ class QueueAccess:
         if self.queues is None:
             return
         queue = Task.objects.filter(pk=task_id).values_list("queue", flat=True).first()
-        if queue is not None:
-            self.check(queue)
+        if queue is not None and not self.allows(queue):
+            raise ForbiddenQueue([queue], self.queues, named=False)
 
     def claim_queues(self, requested: Sequence[str]) -> list[str]:
         """Return the queues a claim takes from, for the ``queues`` it asked for.

@@ -56,13 +56,19 @@ class ForbiddenQueue(BoardError):
 
     code = "forbidden_queue"
 
-    def __init__(self, queues: Iterable[str], allowed: Iterable[str]) -> None:
+    def __init__(
+        self, queues: Iterable[str], allowed: Iterable[str], *, named: bool = True
+    ) -> None:
         self.queues = sorted(set(queues))
         self.allowed = sorted(allowed)
+        limited = f"you are limited to {', '.join(self.allowed) or 'no queue'}."
+        if not named:
+            # The queue of a task the caller may not see: its name is not the caller's.
+            super().__init__(f"This task is in a queue you may not use: {limited}")
+            return
         names = ", ".join(self.queues)
         super().__init__(
-            f"You may not use the queue{'s' if len(self.queues) > 1 else ''} {names}: "
-            f"you are limited to {', '.join(self.allowed) or 'no queue'}."
+            f"You may not use the queue{'s' if len(self.queues) > 1 else ''} {names}: {limited}"
         )
 
 

@@ -215,6 +215,7 @@ def test_a_limited_agent_may_not_act_on_a_task_of_another_queue(
     response = post(limited_api, f"tasks/{task.pk}/{action}/", body)
 
     assert_forbidden_queue(response)
+    assert task.queue not in response.json()["detail"], "the name of a queue it may not see"
     assert Task.objects.get(pk=task.pk).status == "in_progress"
     assert history(task.pk) == before
 
