@@ -90,11 +90,11 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "board.middleware.BodySizeLimitMiddleware",
-    "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    "django.middleware.common.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS
+    "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

@@ -255,6 +255,9 @@ def test_the_31st_failure_in_a_minute_is_throttled_even_with_a_valid_token(agent
     # Another address is not concerned.
     assert api_client(token, address="10.0.0.7").get("/api/v1/tasks/").status_code == 200
     assert AuthFailure.objects.get(address="10.0.0.66").failures == 30
+    # A host this server does not serve is refused as such first, as everywhere.
+    foreign = APIClient(REMOTE_ADDR="10.0.0.66", HTTP_HOST="evil.example")
+    assert foreign.get("/api/v1/tasks/").status_code == 400
 
 
 @pytest.mark.django_db
