@@ -23,6 +23,22 @@ from access import tokens
 from access.models import ApiToken
 
 
+def may_issue_for(actor: Any, user: Any) -> bool:
+    """Return whether ``actor`` may issue or rotate ``user``'s token.
+
+    A token acts as its user, so only a superuser may mint one for another staff member
+    or superuser: otherwise the permission to manage tokens would be every permission.
+    """
+    return bool(
+        actor.is_superuser or actor.pk == user.pk or not (user.is_staff or user.is_superuser)
+    )
+
+
+def check_may_issue_for(actor: Any, users: list[Any]) -> None:
+    if not all(may_issue_for(actor, user) for user in users):
+        raise PermissionDenied("Only a superuser may issue or rotate the token of staff.")
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
     list_display = ("user", "created")
@@ -42,6 +58,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         return request.user.has_perm("access.change_apitoken")
 
     def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
+        check_may_issue_for(request.user, [obj.user])
         issued = tokens.issue(obj.user)
         obj.pk, obj.digest, obj.created, obj.key = (
             issued.pk,
@@ -57,7 +74,11 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     @admin.action(permissions=["rotate"], description="Rotate the selected tokens (shown once)")
     def rotate(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> HttpResponse:
-        rotated = [tokens.issue(token.user) for token in queryset.select_related("user")]
+        selected = list(queryset.select_related("user"))
+        check_may_issue_for(request.user, [token.user for token in selected])
+        rotated = [tokens.issue(token.user) for token in selected]
+        for token in rotated:
+            self.log_change(request, token, "Rotated the token.")
         return self.shown_once(request, rotated, "Rotated API tokens")
 
     def get_urls(self) -> list[URLPattern]:
@@ -78,7 +99,10 @@ class ApiTokenAdmin(admin.ModelAdmin):
         token = self.get_object(request, unquote(object_id))
         if token is None:
             raise Http404(f"No API token {object_id}.")
-        return self.shown_once(request, [tokens.issue(token.user)], "Rotated API token")
+        check_may_issue_for(request.user, [token.user])
+        rotated = tokens.issue(token.user)
+        self.log_change(request, rotated, "Rotated the token.")
+        return self.shown_once(request, [rotated], "Rotated API token")
 
     def change_view(
         self,

@@ -230,6 +230,35 @@ def test_staff_without_the_permission_cannot_rotate(agent: Any) -> None:
     assert client.get(TOKENS_URL).status_code == 403
 
 
+@pytest.mark.django_db
+def test_only_a_superuser_issues_or_rotates_the_token_of_staff(agent: Any, settings: Any) -> None:
+    """A token acts as its user: staff who may manage tokens must not become a superuser
+    (or another staff member) by issuing or rotating that user's token."""
+    from django.contrib.auth.models import Permission
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    root = get_user_model().objects.create_superuser("root", password="x")
+    root_token = str(TokenFactory(user=root).key)
+    keeper = StaffFactory(username="ops-keeper")
+    keeper.user_permissions.add(
+        *Permission.objects.filter(codename__in=["add_apitoken", "change_apitoken"])
+    )
+    client = Client()
+    client.force_login(keeper)
+    add_url = reverse("admin:access_apitoken_add")
+
+    issue_for_staff = client.post(add_url, {"user": StaffFactory(username="ops-carol").pk})
+    rotate_root = client.post(reverse("admin:access_apitoken_rotate", args=[root.pk]))
+    rotate_many = client.post(TOKENS_URL, {"action": "rotate", "_selected_action": [root.pk]})
+    issue_for_agent = client.post(add_url, {"user": agent.pk})
+
+    assert issue_for_staff.status_code == 403
+    assert rotate_root.status_code == 403
+    assert rotate_many.status_code == 403
+    assert api_client(root_token).get("/api/v1/tasks/").status_code == 200
+    assert api_client(shown_token(issue_for_agent)).get("/api/v1/tasks/").status_code == 200
+
+
 # Failed authentication throttled
 
 
