@@ -22,6 +22,7 @@ The client address is ``REMOTE_ADDR``, as uvicorn sets it (``taskboard serve`` t
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -55,15 +56,28 @@ def window() -> int:
 
 
 def retry_after(address: str) -> int | None:
-    """Return the seconds until ``address`` may authenticate again, or None if it may now."""
-    if limit() <= 0:
+    """Return the seconds until ``address`` may authenticate again, or None if it may now.
+
+    The failures of the last ``window()`` seconds are estimated as the current window's
+    count plus the previous window's, weighted by the share of it that still lies within
+    the last ``window()`` seconds (the sliding-window estimate). A fixed window alone would
+    let up to twice the limit through across its boundary.
+    """
+    allowed = limit()
+    if allowed <= 0:
         return None
+    length = window()
     with connection.cursor() as cursor:
-        cursor.execute(QUERIES["failures"], {"address": address, "window": window()})
-        row = cursor.fetchone()
-    if row is None or row[0] < limit():
+        cursor.execute(QUERIES["failures"], {"address": address, "window": length})
+        current, previous, left = cursor.fetchone()
+    if current + previous * left / length < allowed:
         return None
-    return max(1, int(row[1]))
+    if current >= allowed:
+        # Past this window's end the current count is the previous one, fading out.
+        wait = left + length * (1 - allowed / current)
+    else:
+        wait = left - length * (allowed - current) / previous
+    return max(1, math.ceil(wait))
 
 
 class Throttled(Exception):
@@ -89,7 +103,7 @@ def record_failure(address: str) -> None:
         cursor.execute(QUERIES["record_failure"], {"address": address, "window": window()})
         failures, _ = cursor.fetchone()
         if failures == 1:
-            cursor.execute(QUERIES["forget_ended_windows"])
+            cursor.execute(QUERIES["forget_ended_windows"], {"window": window()})
         elif failures == limit():
             logger.warning("throttling authentication from %s: %d failures", address, failures)
 

@@ -1,6 +1,8 @@
--- The throttle on failed authentication (access.throttle). A window is fixed: it ends at
--- the next multiple of %(window)s seconds since the epoch, by the database's clock, so
--- that every server process counts into the same row.
+-- The throttle on failed authentication (access.throttle). Counts are kept per fixed
+-- window: it ends at the next multiple of %(window)s seconds since the epoch, by the
+-- database's clock, so that every server process counts into the same row. The check
+-- weighs the previous window's count too, so that the limit holds over any span of that
+-- length, not only within one window.
 
 -- name: record_failure
 -- Count one failed authentication from %(address)s in the current window; return the
@@ -20,15 +22,24 @@ SELECT failures, ceil(extract(epoch FROM window_end - statement_timestamp()))::i
 FROM failure;
 
 -- name: failures
--- The failed authentications from %(address)s in the current window, and the whole
--- seconds until it ends; no row when there were none.
-SELECT failures, ceil(extract(epoch FROM window_end - statement_timestamp()))::int
-FROM auth_failures
-WHERE window_end = to_timestamp((floor(extract(epoch FROM statement_timestamp()) / %(window)s) + 1)
-                                * %(window)s)
-  AND address = %(address)s;
+-- The failed authentications from %(address)s in the current window and in the one before
+-- it, and the seconds until the current one ends (access.throttle weighs the two).
+WITH current_window AS (
+    SELECT to_timestamp((floor(extract(epoch FROM statement_timestamp()) / %(window)s) + 1)
+                        * %(window)s) AS window_end
+)
+SELECT coalesce(sum(f.failures) FILTER (WHERE f.window_end = w.window_end), 0)::int,
+       coalesce(sum(f.failures) FILTER (WHERE f.window_end < w.window_end), 0)::int,
+       extract(epoch FROM w.window_end - statement_timestamp())::float8
+FROM current_window w
+LEFT JOIN auth_failures f
+       ON f.address = %(address)s
+      AND f.window_end IN (w.window_end, w.window_end - make_interval(secs => %(window)s))
+GROUP BY w.window_end;
 
 -- name: forget_ended_windows
--- Drop the counts of windows that have ended (run when a window's first failure is
--- counted, so at most once per address and window): a range on the primary key.
-DELETE FROM auth_failures WHERE window_end <= statement_timestamp();
+-- Drop the counts of windows that ended before the previous one (run when a window's
+-- first failure is counted, so at most once per address and window): a range on the
+-- primary key.
+DELETE FROM auth_failures
+WHERE window_end <= statement_timestamp() - make_interval(secs => %(window)s);

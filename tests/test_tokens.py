@@ -314,6 +314,28 @@ def test_failed_session_authentication_counts_and_a_session_is_throttled_too(
 
 
 @pytest.mark.django_db
+def test_failures_across_a_window_boundary_are_held_to_the_limit(settings: Any) -> None:
+    """Counts are kept per fixed window, but the limit holds over any span of a window's
+    length: failures just before a boundary still count just after it (a fixed window
+    alone let 25 + 30 through here)."""
+    settings.TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = 4
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM statement_timestamp())::float8")
+        left = 4 - cursor.fetchone()[0] % 4
+    time.sleep(left - 0.4 if left > 0.4 else left + 3.6)  # 0.4 s before a boundary
+    guesser = api_client("wrong", address="10.0.0.99")
+    let_through = 0
+    for _ in range(25):
+        let_through += guesser.get("/api/v1/tasks/").status_code == 401
+    time.sleep(0.45)  # into the next window
+    while guesser.get("/api/v1/tasks/").status_code == 401:
+        let_through += 1
+        assert let_through < 60
+
+    assert 30 <= let_through <= 34
+
+
+@pytest.mark.django_db
 def test_the_throttle_ends_with_its_window(agent: Any, settings: Any) -> None:
     settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
     settings.TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = 2
