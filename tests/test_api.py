@@ -1655,3 +1655,28 @@ def test_an_integer_field_takes_a_number_without_a_fraction(agent_api: APIClient
 
     assert response.status_code == 201, response.content
     assert (response.json()["priority"], response.json()["max_failures"]) == (5, 2)
+
+
+def nested(levels: int) -> Any:
+    """A JSON object with ``levels`` levels of arrays and objects, itself the first."""
+    value: Any = []
+    for _ in range(levels - 2):
+        value = [value]
+    return {"deep": value}
+
+
+def test_json_nests_at_most_100_levels_deep(agent_api: APIClient, held: tuple[int, str]) -> None:
+    # Deeper payloads passed the parser and failed to reach the database (a 500 at ~940).
+    accepted = post(agent_api, "tasks/", {"title": "deep", "payload": nested(100)})
+    assert accepted.status_code == 201, accepted.content
+    assert accepted.json()["payload"] == nested(100)
+
+    assert_invalid(
+        post(agent_api, "tasks/", {"title": "deeper", "payload": nested(101)}), "payload"
+    )
+    task_id, token = held
+    response = post(
+        agent_api, f"tasks/{task_id}/complete/", {"lease_token": token, "result": nested(101)}
+    )
+    assert_invalid(response, "result")
+    assert Task.objects.get(id=task_id).status == "in_progress"

@@ -18,6 +18,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.openapi import AutoSchema
 
 from board.api.serializers import (
+    MAX_JSON_DEPTH,
     NUL_FREE_PATTERN,
     TIME_PATTERN,
     VISIBLE_PATTERN,
@@ -37,8 +38,8 @@ def ref(name: str) -> dict[str, str]:
 JSON_VALUE = {
     "description": (
         "Any JSON value that PostgreSQL's jsonb can store: no string in it, object keys "
-        "included, contains the NUL character (\\u0000). Nesting deeper than about 900 "
-        "levels is refused as well."
+        "included, contains the NUL character (\\u0000), and arrays and objects nest at "
+        f"most {MAX_JSON_DEPTH} levels deep."
     ),
     "type": ["object", "array", "string", "number", "boolean", "null"],
     "pattern": NUL_FREE_PATTERN,
@@ -49,7 +50,9 @@ JSON_VALUE = {
 
 JSON_OBJECT = {
     "description": (
-        "A JSON object whose keys and strings, at any depth, contain no NUL character (\\u0000)."
+        "A JSON object whose keys and strings, at any depth, contain no NUL character "
+        f"(\\u0000), with arrays and objects nested at most {MAX_JSON_DEPTH} levels deep "
+        "(the object itself is the first)."
     ),
     "type": "object",
     "propertyNames": {"pattern": NUL_FREE_PATTERN},

@@ -54,19 +54,29 @@ def storable_text_error(text: str) -> str | None:
     return None
 
 
+# Arrays and objects nested deeper than this are refused: Python's json reads about 900
+# levels in a request but writes fewer from deeper in the stack (psycopg dumping the
+# payload in a transition failed at 940 with RecursionError, a 500). Real payloads nest a
+# few levels; this leaves every reader and writer a wide margin.
+MAX_JSON_DEPTH = 100
+
+
 def storable_json_error(value: Any) -> str | None:
     """Say why jsonb cannot store ``value`` (walked without recursion), or return None."""
-    stack = [value]
+    stack = [(value, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         if isinstance(item, str):
             if error := storable_text_error(item):
                 return error
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        elif isinstance(item, dict | list):
+            if depth == MAX_JSON_DEPTH:
+                return f"Arrays and objects may nest at most {MAX_JSON_DEPTH} levels deep."
+            if isinstance(item, dict):
+                stack.extend((key, depth + 1) for key in item)
+                stack.extend((child, depth + 1) for child in item.values())
+            else:
+                stack.extend((child, depth + 1) for child in item)
     return None
 
 
