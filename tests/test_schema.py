@@ -208,6 +208,7 @@ def test_every_operation_states_the_refusals_every_endpoint_can_make() -> None:
     for operation_id, (_, method, operation) in OPERATIONS.items():
         responses = operation["responses"]
         assert responses["401"]["headers"]["WWW-Authenticate"]["required"], operation_id
+        assert responses["429"]["headers"]["Retry-After"]["required"], operation_id
         assert responses["503"]["headers"]["Retry-After"]["required"], operation_id
         if "requestBody" in operation:
             assert {"400", "413"} <= set(responses), operation_id

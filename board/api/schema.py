@@ -288,6 +288,14 @@ RESPONSE_LINKS: dict[tuple[str, str], dict[str, Any]] = {
 # -- Refusals every endpoint can answer ----------------------------------------------------
 
 
+def retry_after(description: str) -> dict[str, Any]:
+    return {
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+        "description": description,
+    }
+
+
 def common_responses(operation: dict[str, Any], method: str) -> dict[str, Any]:
     responses: dict[str, Any] = {
         "401": {
@@ -301,15 +309,17 @@ def common_responses(operation: dict[str, Any], method: str) -> dict[str, Any]:
             },
             "content": error_content(),
         },
+        "429": {
+            "description": (
+                "Too many failed authentications from this address (30 a minute): wait "
+                "`Retry-After` seconds, also with a valid token."
+            ),
+            "headers": {"Retry-After": retry_after("Seconds to wait before trying again.")},
+            "content": error_content(),
+        },
         "503": {
             "description": "The database is unavailable: try again shortly.",
-            "headers": {
-                "Retry-After": {
-                    "required": True,
-                    "schema": {"type": "string", "pattern": "^[0-9]+$"},
-                    "description": "Seconds to wait before trying again.",
-                }
-            },
+            "headers": {"Retry-After": retry_after("Seconds to wait before trying again.")},
             "content": error_content(),
         },
     }
