@@ -175,6 +175,10 @@ STREAM_PATH = {
         ],
         "security": [{"bearerAuth": []}, {"cookieAuth": []}],
         "responses": {
+            "400": {
+                "description": "`lastEventId` given more than once.",
+                "content": {"application/json": {"schema": ref("ValidationError")}},
+            },
             "200": {
                 "description": (
                     "The event stream, which does not end: one `task_event` per event, its "
