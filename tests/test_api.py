@@ -1591,18 +1591,22 @@ def test_a_text_that_must_say_something_refuses_only_whitespace(
     assert Task.objects.get(id=task_id).status == "in_progress"
 
 
-def test_text_is_kept_as_sent_and_its_length_counted_as_sent(
+def test_text_length_is_counted_as_sent_before_any_trimming(
     agent_api: APIClient, held: tuple[int, str]
 ) -> None:
-    created = post(agent_api, "tasks/", {"title": " spaced \n", "description": "  "})
-    assert created.status_code == 201, created.content
-    assert (created.json()["title"], created.json()["description"]) == (" spaced \n", "  ")
     # 200 characters is the limit, spaces included: the schema's maxLength.
     assert_invalid(post(agent_api, "tasks/", {"title": " " + "x" * 200}), "title")
     task_id, token = held
+    long_error = {"lease_token": token, "error": "x" * 10000 + "\n"}
+    assert_invalid(post(agent_api, f"tasks/{task_id}/fail/", long_error), "error")
+    # Within the limit, titles and errors are stored without surrounding whitespace, and a
+    # description as sent.
+    created = post(agent_api, "tasks/", {"title": " spaced \n", "description": "  "})
+    assert created.status_code == 201, created.content
+    assert (created.json()["title"], created.json()["description"]) == ("spaced", "  ")
     failed = post(agent_api, f"tasks/{task_id}/fail/", {"lease_token": token, "error": "oops\n"})
     assert failed.status_code == 200, failed.content
-    assert failed.json()["last_error"] == "oops\n"
+    assert failed.json()["last_error"] == "oops"
 
 
 @pytest.mark.parametrize(

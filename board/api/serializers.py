@@ -82,9 +82,11 @@ def storable_json_error(value: Any) -> str | None:
 
 class StrictCharField(serializers.CharField):
     """A string field that refuses numbers and booleans instead of coercing them, and text
-    that PostgreSQL cannot store. It keeps the text as sent (no trimming), so that its
-    length limits are those the schema states; ``visible=True`` refuses text that is only
-    whitespace. board.api.schema documents the rule as VISIBLE_PATTERN or NUL_FREE_PATTERN.
+    that PostgreSQL cannot store; ``visible=True`` refuses text that is only whitespace.
+    board.api.schema documents the rule as VISIBLE_PATTERN or NUL_FREE_PATTERN.
+
+    Text is trimmed only where asked (``trim_whitespace=True``), and its length is counted
+    as sent, before trimming, as the schema's maxLength counts it.
     """
 
     default_error_messages = {"invalid": "Must be a string.", "blank": BLANK_MESSAGE}
@@ -101,6 +103,8 @@ class StrictCharField(serializers.CharField):
             raise serializers.ValidationError(error)
         if self.visible and data and data.isspace():
             self.fail("blank")
+        if self.max_length is not None and len(data) > self.max_length:
+            self.fail("max_length", max_length=self.max_length)
         return super().to_internal_value(data)
 
 
@@ -313,7 +317,7 @@ class ValidationErrorSerializer(ErrorSerializer):
 
 
 class TaskCreateSerializer(serializers.Serializer[Any]):
-    title = StrictCharField(min_length=1, max_length=200, visible=True)
+    title = StrictCharField(min_length=1, max_length=200, visible=True, trim_whitespace=True)
     description = StrictCharField(required=False, default="", allow_blank=True)
     payload = JSONObjectField(required=False, default=dict)
     queue = queue_field(required=False, default="default")
@@ -357,7 +361,7 @@ class CompleteSerializer(serializers.Serializer[Any]):
 
 class FailSerializer(serializers.Serializer[Any]):
     lease_token = lease_token_field()
-    error = StrictCharField(max_length=10000, visible=True)
+    error = StrictCharField(max_length=10000, visible=True, trim_whitespace=True)
     retry_after = StrictIntegerField(
         required=False,
         allow_null=True,
@@ -372,12 +376,17 @@ class LeaseSerializer(serializers.Serializer[Any]):
 
 
 class EscalateSerializer(LeaseSerializer):
-    reason = StrictCharField(max_length=10000, visible=True)
+    reason = StrictCharField(max_length=10000, visible=True, trim_whitespace=True)
 
 
 class NoteSerializer(serializers.Serializer[Any]):
     note = StrictCharField(
-        required=False, allow_null=True, allow_blank=True, default=None, max_length=10000
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        default=None,
+        max_length=10000,
+        trim_whitespace=True,
     )
 
 
