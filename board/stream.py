@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -175,12 +176,21 @@ async def _recheck_open_streams() -> None:
                 stream.access = access
 
 
+def resume_ids(scope: Scope) -> list[str]:
+    """Every ``lastEventId`` of the query string (the schema allows one)."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    return query.get("lastEventId", [])
+
+
 def resume_id(scope: Scope, headers: dict[str, str]) -> int | None:
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    value = (headers.get("last-event-id") or (query.get("lastEventId") or [""])[-1]).strip()
-    if value.isdigit() and len(value) <= 18:
+    value = (headers.get("last-event-id") or (resume_ids(scope) or [""])[-1]).strip()
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a 500).
+    if RESUME_ID.fullmatch(value):
         return int(value)
     return None
+
+
+RESUME_ID = re.compile(r"[0-9]{1,18}")
 
 
 async def unavailable(send: Send) -> None:
@@ -217,6 +227,11 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         )
         response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
         await send_response(send, response)
+        return
+    if len(resume_ids(scope)) > 1:
+        fields = {"lastEventId": ["Give this parameter once."]}
+        detail = "Invalid request: lastEventId: Give this parameter once."
+        await send_response(send, error_response(400, "invalid", detail, fields=fields))
         return
     _, access = authorized
     try:

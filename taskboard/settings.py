@@ -238,6 +238,8 @@ SPECTACULAR_SETTINGS = {
         "Claims are leases: heartbeat to keep one, complete or fail to finish it."
     ),
     "VERSION": "1.0.0",
+    # 3.2: JSON Schema 2020-12 (propertyNames, contentSchema) and itemSchema for the stream.
+    "OAS_VERSION": "3.2.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
@@ -247,8 +249,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "board.api.schema.add_stream_endpoint",
-        "board.api.schema.add_throttled_responses",
+        "board.api.schema.postprocess",
     ],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "board.models.TaskStatus",

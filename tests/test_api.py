@@ -1571,3 +1571,166 @@ def test_over_http_a_chunked_body_under_1_mib_is_accepted(
     assert response.request.headers.get("Transfer-Encoding") == "chunked"
     assert response.status_code == 201, response.text
     assert response.json()["title"] == "sent in chunks"
+
+
+# -- Exactly what the schema states (tests/test_fuzz.py holds the server to it) ----------
+
+# Every query parameter of every endpoint, with a valid value.
+QUERY_PARAMETERS = [
+    ("tasks/", "status", "pending"),
+    ("tasks/", "queue", "default"),
+    ("tasks/", "leased_by", "agent-smith"),
+    ("tasks/", "before", "10"),
+    ("tasks/", "limit", "10"),
+    ("events/", "type", "created"),
+    ("events/", "task", "1"),
+    ("events/", "after", "0"),
+    ("events/", "limit", "10"),
+    ("tasks/{id}/events/", "after", "0"),
+    ("tasks/{id}/events/", "limit", "10"),
+]
+
+
+def query_url(make_task: Callable[..., Any], path: str, query: str) -> str:
+    return f"{API}/{path.format(id=make_task().id)}?{query}"
+
+
+@pytest.mark.parametrize(("path", "name", "value"), QUERY_PARAMETERS)
+def test_an_empty_query_parameter_is_refused_with_400_not_ignored(
+    agent_api: APIClient, make_task: Callable[..., Any], path: str, name: str, value: str
+) -> None:
+    assert agent_api.get(query_url(make_task, path, f"{name}={value}")).status_code == 200
+
+    assert_invalid(agent_api.get(query_url(make_task, path, f"{name}=")), name)
+
+
+@pytest.mark.parametrize(("path", "name", "value"), QUERY_PARAMETERS)
+def test_a_query_parameter_given_twice_is_refused_with_400(
+    agent_api: APIClient, make_task: Callable[..., Any], path: str, name: str, value: str
+) -> None:
+    response = agent_api.get(query_url(make_task, path, f"{name}={value}&{name}={value}"))
+
+    assert_invalid(response, name)
+
+
+@pytest.mark.parametrize("value", ["5.0", "5.", " 5", "5 ", "+5", "1_0", "\u0665", "0x5", "5e0"])
+@pytest.mark.parametrize(("path", "name"), [("events/", "limit"), ("tasks/", "before")])
+def test_a_query_integer_is_decimal_digits_and_nothing_else(
+    agent_api: APIClient, path: str, name: str, value: str
+) -> None:
+    assert_invalid(agent_api.get(f"{API}/{path}", {name: value}), name)
+
+
+def test_a_query_string_with_a_nul_is_refused_with_400(agent_api: APIClient) -> None:
+    assert_invalid(agent_api.get(f"{API}/tasks/?leased_by=a%00b"), "leased_by")
+
+
+@pytest.mark.parametrize("blank", [" ", "\t\n", "\x1c", "\u3000", "\u2028 \u00a0"])
+@pytest.mark.parametrize("field", ["title", "error", "reason"])
+def test_a_text_that_must_say_something_refuses_only_whitespace(
+    agent_api: APIClient, held: tuple[int, str], field: str, blank: str
+) -> None:
+    task_id, token = held
+    path, body = {
+        "title": ("tasks/", {}),
+        "error": (f"tasks/{task_id}/fail/", {"lease_token": token}),
+        "reason": (f"tasks/{task_id}/escalate/", {"lease_token": token}),
+    }[field]
+
+    assert_invalid(post(agent_api, path, {**body, field: blank}), field)
+    assert Task.objects.get(id=task_id).status == "in_progress"
+
+
+def test_text_length_is_counted_as_sent_before_any_trimming(
+    agent_api: APIClient, held: tuple[int, str]
+) -> None:
+    # 200 characters is the limit, spaces included: the schema's maxLength.
+    assert_invalid(post(agent_api, "tasks/", {"title": " " + "x" * 200}), "title")
+    task_id, token = held
+    long_error = {"lease_token": token, "error": "x" * 10000 + "\n"}
+    assert_invalid(post(agent_api, f"tasks/{task_id}/fail/", long_error), "error")
+    # Within the limit, titles and errors are stored without surrounding whitespace, and a
+    # description as sent.
+    created = post(agent_api, "tasks/", {"title": " spaced \n", "description": "  "})
+    assert created.status_code == 201, created.content
+    assert (created.json()["title"], created.json()["description"]) == ("spaced", "  ")
+    failed = post(agent_api, f"tasks/{task_id}/fail/", {"lease_token": token, "error": "oops\n"})
+    assert failed.status_code == 200, failed.content
+    assert failed.json()["last_error"] == "oops"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "2030-01-01 00:00:00+00:00",  # a space for the T
+        "2030-01-01T00:00:00",  # no UTC offset
+        "2030-01-01T00:00Z",  # no seconds
+        "2030-01-01t00:00:00z",
+        "2030-01-01T00:00:00+0100",
+        "2030-01-01T00:00:00.1234567890Z",  # finer than nanoseconds
+        "2030-02-29T00:00:00Z",  # not a leap year
+        "2030-04-31T00:00:00Z",
+        "2030-01-01T24:00:00Z",
+        "2030-01-01T23:59:60Z",
+        "0001-01-01T12:00:00Z",  # years Python cannot hold on both sides of UTC
+        "9999-12-31T00:00:00Z",
+        "",
+    ],
+)
+def test_run_after_refuses_a_time_that_is_not_rfc_3339_with_an_offset(
+    agent_api: APIClient, value: str
+) -> None:
+    assert_invalid(post(agent_api, "tasks/", {"title": "later", "run_after": value}), "run_after")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "2032-02-29T00:00:00Z",
+        "2000-02-29T12:30:45.5+01:00",
+        "2030-01-01T00:00:00.123456789-23:59",
+        "0002-01-01T00:00:00-23:59",
+        "9998-12-31T23:59:59.999999+00:00",
+    ],
+)
+def test_run_after_accepts_every_rfc_3339_time_with_an_offset(
+    agent_api: APIClient, value: str
+) -> None:
+    response = post(agent_api, "tasks/", {"title": "later", "run_after": value})
+
+    assert response.status_code == 201, response.content
+    sent = datetime.fromisoformat(value)
+    assert abs(parse_time(response.json()["run_after"]) - sent) < timedelta(microseconds=1)
+
+
+def test_an_integer_field_takes_a_number_without_a_fraction(agent_api: APIClient) -> None:
+    # JSON Schema counts 5.0 as an integer; so does the server.
+    response = post(agent_api, "tasks/", {"title": "five", "priority": 5.0, "max_failures": 2.0})
+
+    assert response.status_code == 201, response.content
+    assert (response.json()["priority"], response.json()["max_failures"]) == (5, 2)
+
+
+def nested(levels: int) -> Any:
+    """A JSON object with ``levels`` levels of arrays and objects, itself the first."""
+    value: Any = []
+    for _ in range(levels - 2):
+        value = [value]
+    return {"deep": value}
+
+
+def test_json_nests_at_most_100_levels_deep(agent_api: APIClient, held: tuple[int, str]) -> None:
+    # Deeper payloads passed the parser and failed to reach the database (a 500 at ~940).
+    accepted = post(agent_api, "tasks/", {"title": "deep", "payload": nested(100)})
+    assert accepted.status_code == 201, accepted.content
+    assert accepted.json()["payload"] == nested(100)
+
+    assert_invalid(
+        post(agent_api, "tasks/", {"title": "deeper", "payload": nested(101)}), "payload"
+    )
+    task_id, token = held
+    response = post(
+        agent_api, f"tasks/{task_id}/complete/", {"lease_token": token, "result": nested(101)}
+    )
+    assert_invalid(response, "result")
+    assert Task.objects.get(id=task_id).status == "in_progress"

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from django.db import connection, transaction
@@ -67,6 +68,30 @@ def test_a_new_event_reaches_an_open_stream_within_a_second(
 def test_the_stream_refuses_a_client_without_credentials(server: LiveServer) -> None:
     with StreamCollector(stream_url(server)) as stream:
         assert stream.status == 401
+
+
+@pytest.mark.parametrize("resume", ["\u00b2", "\u00b3", "1\u00b9"])
+def test_a_resume_id_that_is_not_ascii_digits_starts_the_stream_with_the_next_event(
+    server: LiveServer, watcher: dict[str, str], agent: Any, resume: str
+) -> None:
+    # "²".isdigit() is true and int("²") raises: this was a 500.
+    transitions.create(actor=agent, title="before")
+    with StreamCollector(stream_url(server), {**watcher, "Last-Event-ID": resume}) as stream:
+        assert stream.status == 200
+        task = transitions.create(actor=agent, title="after")
+        assert stream.get(timeout=5)["json"]["task_id"] == task.id
+
+
+def test_the_stream_refuses_a_resume_id_given_twice_with_400(
+    server: LiveServer, watcher: dict[str, str]
+) -> None:
+    response = httpx.get(
+        stream_url(server), params=[("lastEventId", "1"), ("lastEventId", "2")], headers=watcher
+    )
+
+    assert response.status_code == 400
+    assert response.json()["error"] == "invalid"
+    assert response.json()["fields"] == {"lastEventId": ["Give this parameter once."]}
 
 
 def test_a_client_that_reconnects_is_replayed_what_it_missed_in_order(

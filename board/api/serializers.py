@@ -3,22 +3,50 @@ validate (the transitions module decides), outputs only render."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.core.validators import RegexValidator
 from django.utils import timezone
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from board import conf
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
 
+# The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
+# ``re`` reads the same way) so that the OpenAPI document states exactly what is refused.
+# PostgreSQL cannot store NUL (U+0000) in text or jsonb.
+NUL_FREE_PATTERN = "^[^\\u0000]*$"
+# What Python's ``str.isspace`` calls whitespace, spelled out for other regex engines.
+WHITESPACE = (
+    "\\t\\n\\u000b\\f\\r\\u001c-\\u001f \\u0085\\u00a0\\u1680\\u2000-\\u200a"
+    "\\u2028\\u2029\\u202f\\u205f\\u3000"
+)
+# Text that says something: NUL-free, with at least one character that is not whitespace.
+VISIBLE_PATTERN = f"^[^\\u0000]*[^\\u0000{WHITESPACE}][^\\u0000]*$"
+# An RFC 3339 time with its UTC offset, as the contract asks, on a day that exists, in the
+# years Python's datetime holds on both sides of UTC (0002..9998: a time in year 1 or 9999
+# may fall outside them once converted to UTC).
+_YEAR = (
+    "(?:000[2-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])"
+)
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+    f"|{_LEAP_YEAR}-02-29)"
+)
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?"
+_OFFSET = "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+TIME_PATTERN = f"^{_DATE}T{_TIME}{_OFFSET}$"
+NUL_MESSAGE = "Null characters (\\u0000) are not allowed."
+BLANK_MESSAGE = "This field may not be blank."
+
 
 def storable_text_error(text: str) -> str | None:
     """Say why PostgreSQL cannot store ``text``, or return None if it can."""
     if "\x00" in text:
-        return "Null characters (\\u0000) are not allowed."
+        return NUL_MESSAGE
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -26,33 +54,57 @@ def storable_text_error(text: str) -> str | None:
     return None
 
 
+# Arrays and objects nested deeper than this are refused: Python's json reads about 900
+# levels in a request but writes fewer from deeper in the stack (psycopg dumping the
+# payload in a transition failed at 940 with RecursionError, a 500). Real payloads nest a
+# few levels; this leaves every reader and writer a wide margin.
+MAX_JSON_DEPTH = 100
+
+
 def storable_json_error(value: Any) -> str | None:
     """Say why jsonb cannot store ``value`` (walked without recursion), or return None."""
-    stack = [value]
+    stack = [(value, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         if isinstance(item, str):
             if error := storable_text_error(item):
                 return error
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        elif isinstance(item, dict | list):
+            if depth == MAX_JSON_DEPTH:
+                return f"Arrays and objects may nest at most {MAX_JSON_DEPTH} levels deep."
+            if isinstance(item, dict):
+                stack.extend((key, depth + 1) for key in item)
+                stack.extend((child, depth + 1) for child in item.values())
+            else:
+                stack.extend((child, depth + 1) for child in item)
     return None
 
 
 class StrictCharField(serializers.CharField):
     """A string field that refuses numbers and booleans instead of coercing them, and text
-    that PostgreSQL cannot store."""
+    that PostgreSQL cannot store; ``visible=True`` refuses text that is only whitespace.
+    board.api.schema documents the rule as VISIBLE_PATTERN or NUL_FREE_PATTERN.
 
-    default_error_messages = {"invalid": "Must be a string."}
+    Text is trimmed only where asked (``trim_whitespace=True``), and its length is counted
+    as sent, before trimming, as the schema's maxLength counts it.
+    """
+
+    default_error_messages = {"invalid": "Must be a string.", "blank": BLANK_MESSAGE}
+
+    def __init__(self, *, visible: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+        self.visible = visible
 
     def to_internal_value(self, data: Any) -> str:
         if not isinstance(data, str):
             self.fail("invalid")
         if error := storable_text_error(data):
             raise serializers.ValidationError(error)
+        if self.visible and data and data.isspace():
+            self.fail("blank")
+        if self.max_length is not None and len(data) > self.max_length:
+            self.fail("max_length", max_length=self.max_length)
         return super().to_internal_value(data)
 
 
@@ -63,7 +115,7 @@ class StrictRegexField(StrictCharField):
 
 
 class StorableJSONField(serializers.JSONField):
-    """Any JSON value that jsonb can store."""
+    """Any JSON value that jsonb can store (board.api.schema: the JSONValue schema)."""
 
     def to_internal_value(self, data: Any) -> Any:
         if error := storable_json_error(data):
@@ -72,11 +124,16 @@ class StorableJSONField(serializers.JSONField):
 
 
 class StrictIntegerField(serializers.IntegerField):
-    """An integer field that refuses strings, booleans and fractions."""
+    """An integer field that refuses strings, booleans and fractions.
+
+    A number with no fraction (``5.0``) is an integer, as JSON Schema counts them.
+    """
 
     default_error_messages = {"invalid": "Must be an integer."}
 
     def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, float) and data.is_integer():
+            data = int(data)
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return super().to_internal_value(data)
@@ -93,9 +150,40 @@ class StrictFloatField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
-@extend_schema_field(OpenApiTypes.OBJECT)
+class TimeField(serializers.DateTimeField):
+    """A time in RFC 3339 with a UTC offset (TIME_PATTERN): DRF's DateTimeField alone
+    also reads times without an offset, or with a space for the ``T``."""
+
+    default_error_messages = {
+        "invalid": "Use an RFC 3339 time with a UTC offset: YYYY-MM-DDThh:mm:ss[.f](Z|+hh:mm).",
+    }
+
+    def to_internal_value(self, value: Any) -> Any:
+        if not isinstance(value, str) or not TIME_TEXT.fullmatch(value):
+            self.fail("invalid")
+        return super().to_internal_value(value)
+
+
+TIME_TEXT = re.compile(TIME_PATTERN)
+
+
+class QueryIntegerField(serializers.IntegerField):
+    """A query parameter that is an integer written in decimal digits, and nothing else:
+    DRF's IntegerField also reads ``5.0``, `` 5``, ``+5`` and ``1_000``."""
+
+    default_error_messages = {"invalid": "Must be an integer."}
+
+    def to_internal_value(self, data: Any) -> int:
+        if not isinstance(data, str) or not INTEGER_TEXT.fullmatch(data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+INTEGER_TEXT = re.compile(r"-?[0-9]+")
+
+
 class JSONObjectField(StorableJSONField):
-    """A JSON object (a dict), not any JSON value."""
+    """A JSON object (a dict), not any JSON value (board.api.schema: JSONObject)."""
 
     default_error_messages = {"not_an_object": "Must be a JSON object."}
 
@@ -105,9 +193,17 @@ class JSONObjectField(StorableJSONField):
         return dict(super().to_internal_value(data))
 
 
-@extend_schema_field({"description": "Any JSON value, or null.", "nullable": True})
 class AnyJSONField(StorableJSONField):
-    """Any JSON value, null included."""
+    """Any JSON value, null included.
+
+    null is one of the values, not an absence: the field takes it without ``allow_null``,
+    which would document it a second time beside the JSONValue schema.
+    """
+
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        if data is None:
+            return True, None
+        return super().validate_empty_values(data)
 
 
 def queue_field(**kwargs: Any) -> StrictRegexField:
@@ -120,11 +216,7 @@ def queue_field(**kwargs: Any) -> StrictRegexField:
 
 
 def lease_token_field() -> StrictCharField:
-    return StrictCharField(
-        max_length=100,
-        trim_whitespace=False,
-        help_text="The lease_token from the claim response.",
-    )
+    return StrictCharField(max_length=100, help_text="The lease_token from the claim response.")
 
 
 def lease_seconds_field(**kwargs: Any) -> StrictIntegerField:
@@ -139,7 +231,7 @@ class TaskSerializer(serializers.ModelSerializer[Task]):
     created_by = serializers.CharField(source="created_by_id", read_only=True)
     lease_expired = serializers.SerializerMethodField()
     payload = JSONObjectField()
-    result = AnyJSONField(allow_null=True)
+    result = AnyJSONField()
 
     class Meta:
         model = Task
@@ -225,15 +317,13 @@ class ValidationErrorSerializer(ErrorSerializer):
 
 
 class TaskCreateSerializer(serializers.Serializer[Any]):
-    title = StrictCharField(min_length=1, max_length=200)
-    description = StrictCharField(
-        required=False, default="", allow_blank=True, trim_whitespace=False
-    )
+    title = StrictCharField(min_length=1, max_length=200, visible=True, trim_whitespace=True)
+    description = StrictCharField(required=False, default="", allow_blank=True)
     payload = JSONObjectField(required=False, default=dict)
     queue = queue_field(required=False, default="default")
     priority = StrictIntegerField(required=False, default=0, min_value=-1000, max_value=1000)
     max_failures = StrictIntegerField(required=False, min_value=1, max_value=100)
-    run_after = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    run_after = TimeField(required=False, allow_null=True, default=None)
 
 
 class ClaimSerializer(serializers.Serializer[Any]):
@@ -261,17 +351,17 @@ class ClaimSerializer(serializers.Serializer[Any]):
 class HeartbeatSerializer(serializers.Serializer[Any]):
     lease_token = lease_token_field()
     lease_seconds = lease_seconds_field(required=False)
-    progress = AnyJSONField(required=False, allow_null=True, default=None)
+    progress = AnyJSONField(required=False, default=None)
 
 
 class CompleteSerializer(serializers.Serializer[Any]):
     lease_token = lease_token_field()
-    result = AnyJSONField(required=False, allow_null=True, default=None)
+    result = AnyJSONField(required=False, default=None)
 
 
 class FailSerializer(serializers.Serializer[Any]):
     lease_token = lease_token_field()
-    error = StrictCharField(max_length=10000, allow_blank=False)
+    error = StrictCharField(max_length=10000, visible=True, trim_whitespace=True)
     retry_after = StrictIntegerField(
         required=False,
         allow_null=True,
@@ -286,42 +376,47 @@ class LeaseSerializer(serializers.Serializer[Any]):
 
 
 class EscalateSerializer(LeaseSerializer):
-    reason = StrictCharField(max_length=10000, allow_blank=False)
+    reason = StrictCharField(max_length=10000, visible=True, trim_whitespace=True)
 
 
 class NoteSerializer(serializers.Serializer[Any]):
     note = StrictCharField(
-        required=False, allow_null=True, allow_blank=True, default=None, max_length=10000
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        default=None,
+        max_length=10000,
+        trim_whitespace=True,
     )
 
 
 class ResolveSerializer(NoteSerializer):
-    result = AnyJSONField(required=False, allow_null=True, default=None)
+    result = AnyJSONField(required=False, default=None)
 
 
 class TaskFilterSerializer(serializers.Serializer[Any]):
     status = serializers.ChoiceField(choices=TaskStatus.choices, required=False)
     queue = queue_field(required=False)
-    leased_by = serializers.CharField(required=False, max_length=150)
+    leased_by = StrictCharField(required=False, max_length=150)
 
 
 class EventFilterSerializer(serializers.Serializer[Any]):
-    after = serializers.IntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
-    task = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
+    after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
+    task = QueryIntegerField(required=False, min_value=1, max_value=2**63 - 1)
     type = serializers.ChoiceField(choices=EventType.choices, required=False)
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
 
 
 class TaskEventFilterSerializer(serializers.Serializer[Any]):
-    after = serializers.IntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+    after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
+    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
 
 
 class TaskListPageSerializer(serializers.Serializer[Any]):
-    before = serializers.IntegerField(
+    before = QueryIntegerField(
         required=False, min_value=1, max_value=2**63 - 1, help_text="Tasks with a smaller id."
     )
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
 
 
 class TaskPageSerializer(serializers.Serializer[Any]):

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import permissions, serializers, status, viewsets
+from rest_framework import exceptions, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -93,7 +93,18 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
         return dict(serializer.validated_data)
 
     def query(self, serializer_class: type[serializers.Serializer[Any]]) -> dict[str, Any]:
-        serializer = serializer_class(data=self.request.query_params)
+        """Validate the query parameters that ``serializer_class`` declares, as the schema
+        states them: each at most once, and an empty value is a value (``?status=`` is
+        refused), not an absent parameter as DRF reads form data."""
+        params = self.request.query_params
+        serializer = serializer_class(data={name: values[-1] for name, values in params.lists()})
+        repeated = {
+            name: ["Give this parameter once."]
+            for name, values in params.lists()
+            if len(values) > 1 and name in serializer.fields
+        }
+        if repeated:
+            raise exceptions.ValidationError(repeated)
         serializer.is_valid(raise_exception=True)
         return dict(serializer.validated_data)
 
