@@ -122,8 +122,8 @@ if TASKBOARD_HTTPS:
 # The Content-Security-Policy that TASKBOARD_HTTPS turns on (django-csp). Scripts come
 # only from this server's own files: the board's pages have no inline script, and the API
 # docs use drf-spectacular's split Swagger view, whose start-up script is a file too.
-# Inline styles are allowed: Swagger UI's page and the escalation admin's triage form
-# carry a <style> block, and styles cannot run code. Swagger UI draws its icons from data: URLs.
+# Inline styles are allowed: Swagger UI's page carries a <style> block (and sets style
+# attributes), and styles cannot run code. Swagger UI draws its icons from data: URLs.
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {
         "default-src": ["'self'"],
