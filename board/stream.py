@@ -21,6 +21,7 @@ import contextlib
 import logging
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
@@ -37,6 +38,7 @@ from access import throttle
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.middleware import database_unavailable, disallowed_host, error_response
+from board.models import QueueLimit
 from board.relay import Cursor, Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
@@ -86,13 +88,18 @@ def _user(headers: dict[str, str]) -> Any:
     return user if user.is_authenticated else None
 
 
+# A stream's credentials, as it is re-checked: ("token", the token's digest) or
+# ("session", the session key). No plain token is kept.
+Credentials = tuple[str, str]
+
+
 @dataclass(eq=False)
 class OpenStream:
     """A stream's credentials and what they allow now: re-checked while it is open, so a
     rotated or deleted token, a deactivated user or a changed queue limit reaches open
     streams as it reaches the API, within TASKBOARD_TOKEN_CACHE_SECONDS."""
 
-    credentials: tuple[str, str]  # (Authorization header, session cookie)
+    credentials: Credentials
     access: QueueAccess
     revoked: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -100,41 +107,63 @@ class OpenStream:
         return self.access.allows(queue)
 
 
-def credentials_of(headers: dict[str, str]) -> tuple[str, str]:
+def credentials_of(headers: dict[str, str]) -> Credentials:
+    from access import tokens
+
+    keyword, _, key = headers.get("authorization", "").partition(" ")
+    if keyword.lower() in {"bearer", "token"}:
+        return "token", tokens.digest(key.strip())
     morsel = SimpleCookie(headers.get("cookie", "")).get(settings.SESSION_COOKIE_NAME)
-    return headers.get("authorization", ""), morsel.value if morsel else ""
+    return "session", morsel.value if morsel else ""
 
 
-def reauthorize(credentials: set[tuple[str, str]]) -> dict[tuple[str, str], QueueAccess]:
+def reauthorize(credentials: set[Credentials]) -> dict[Credentials, QueueAccess]:
     """Return what each of ``credentials`` allows now; those no longer valid are absent.
 
-    Runs in a worker thread, one connection for the whole batch, closed before returning.
-    Nothing here counts as a failed authentication: these credentials were valid.
+    Tokens are looked up together (one query, and one for their users' queue limits);
+    each session on its own. Runs in a worker thread, on one connection closed before
+    returning. Nothing here counts as a failed authentication: these credentials were
+    valid.
     """
-    allowed = {}
+    from access.models import ApiToken
+
+    allowed: dict[Credentials, QueueAccess] = {}
     try:
-        for authorization, session in credentials:
-            headers = {"authorization": authorization}
-            if session:
-                headers["cookie"] = f"{settings.SESSION_COOKIE_NAME}={session}"
-            user = _user(headers)
-            if user is not None:
-                allowed[authorization, session] = queue_access(user)
+        digests = [key for kind, key in credentials if kind == "token"]
+        found = ApiToken.objects.filter(digest__in=digests, user__is_active=True)
+        users = dict(found.values_list("digest", "user_id"))
+        limits = dict(
+            QueueLimit.objects.filter(user_id__in=users.values()).values_list("user_id", "queues")
+        )
+        for digest, user_id in users.items():
+            queues = limits.get(user_id)
+            allowed["token", digest] = (
+                EVERY_QUEUE if queues is None else QueueAccess(frozenset(queues))
+            )
+        for kind, key in credentials:
+            if kind == "session" and key:
+                cookie = f"{settings.SESSION_COOKIE_NAME}={key}"
+                if (user := _user({"cookie": cookie})) is not None:
+                    allowed[kind, key] = queue_access(user)
     finally:
         connection.close()
     return allowed
 
 
 # The open streams of each event loop (server process), and the task that re-checks them.
-_open_streams: dict[asyncio.AbstractEventLoop, set[OpenStream]] = {}
-_rechecking: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
+_open_streams: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[OpenStream]] = (
+    weakref.WeakKeyDictionary()
+)
+_rechecking: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def recheck_seconds() -> float:
     return max(1.0, float(settings.TASKBOARD_TOKEN_CACHE_SECONDS))
 
 
-def open_stream(credentials: tuple[str, str], access: QueueAccess) -> OpenStream:
+def open_stream(credentials: Credentials, access: QueueAccess) -> OpenStream:
     """Register a stream for re-checking; the caller unregisters it with close_stream()."""
     loop = asyncio.get_running_loop()
     stream = OpenStream(credentials, access)
@@ -165,9 +194,10 @@ async def _recheck_open_streams() -> None:
             allowed = await sync_to_async(reauthorize, thread_sensitive=False)(
                 {stream.credentials for stream in batch}
             )
-        except DatabaseError as exc:
-            logger.warning("stream: could not re-check credentials: %s", exc)
-            continue  # keep the streams; try again next time
+        except Exception:
+            # A database outage, or a bug: keep the streams, and try again next time.
+            logger.exception("stream: could not re-check the credentials of open streams")
+            continue
         for stream in batch:
             access = allowed.get(stream.credentials)
             if access is None:

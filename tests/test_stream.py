@@ -523,3 +523,19 @@ def test_an_open_stream_takes_up_a_changed_queue_limit(
         assert not ended_within(stream, 0)
 
     assert event["json"]["task_id"] == visible.id
+
+
+@pytest.mark.usefixtures("quick_recheck")
+def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServer) -> None:
+    from django.contrib.sessions.models import Session
+    from django.test import Client
+
+    browser = Client()
+    browser.force_login(UserFactory(username="person"))
+    cookie = f"sessionid={browser.cookies['sessionid'].value}"
+    with StreamCollector(stream_url(server), {"Cookie": cookie}) as stream:
+        assert stream.status == 200
+        assert not ended_within(stream, 1.5), "a valid session keeps its stream"
+        Session.objects.all().delete()  # logged out, everywhere
+
+        assert ended_within(stream, 5), "the stream outlived its session"
