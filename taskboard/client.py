@@ -51,6 +51,7 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "PermissionDenied",
+    "RequestTimeout",
     "Task",
     "TaskboardError",
     "Throttled",
@@ -134,6 +135,11 @@ class InvalidTransition(Conflict):
     """409 invalid_transition: the task's status does not allow this staff action."""
 
 
+class RequestTimeout(TaskboardError):
+    """408: the request body did not arrive within the server's time limit; nothing was
+    done (a very slow network, or a stalled sender)."""
+
+
 class PayloadTooLarge(TaskboardError):
     """413: the request body is over the server's limit (1 MiB)."""
 
@@ -162,6 +168,7 @@ _BY_STATUS: dict[int, type[TaskboardError]] = {
     401: AuthenticationError,
     403: PermissionDenied,
     404: NotFound,
+    408: RequestTimeout,
     409: Conflict,
     413: PayloadTooLarge,
     429: Throttled,

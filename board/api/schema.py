@@ -315,8 +315,9 @@ def common_responses(operation: dict[str, Any], method: str) -> dict[str, Any]:
         },
         "429": {
             "description": (
-                "Too many failed authentications from this address (30 a minute): wait "
-                "`Retry-After` seconds, also with a valid token."
+                "Too many failed authentications from this address "
+                "(`TASKBOARD_AUTH_FAILURE_LIMIT` within `TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS`, "
+                "by default 30 a minute): wait `Retry-After` seconds, also with a valid token."
             ),
             "headers": {"Retry-After": retry_after("Seconds to wait before trying again.")},
             "content": error_content(),
@@ -333,6 +334,13 @@ def common_responses(operation: dict[str, Any], method: str) -> dict[str, Any]:
             "content": error_content(),
         }
     if "requestBody" in operation:
+        responses["408"] = {
+            "description": (
+                "The body did not arrive in full within `TASKBOARD_BODY_TIMEOUT` seconds "
+                "(`request_timeout`); nothing was done."
+            ),
+            "content": error_content(),
+        }
         responses["413"] = {
             "description": "The body is larger than 1 MiB.",
             "content": error_content(),
