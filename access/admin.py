@@ -99,10 +99,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         token = self.get_object(request, unquote(object_id))
         if token is None:
             raise Http404(f"No API token {object_id}.")
-        check_may_issue_for(request.user, [token.user])
-        rotated = tokens.issue(token.user)
-        self.log_change(request, rotated, "Rotated the token.")
-        return self.shown_once(request, [rotated], "Rotated API token")
+        return self.rotate(request, self.get_queryset(request).filter(pk=token.pk))
 
     def change_view(
         self,
