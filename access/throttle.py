@@ -140,13 +140,28 @@ def login_paths() -> frozenset[str]:
     return frozenset({reverse("admin:login"), reverse("login")})
 
 
+@cache
+def password_change_paths() -> frozenset[str]:
+    """The forms that ask for the current password: a way to guess it, for anyone who
+    holds a session (Django's form sends no ``user_login_failed``)."""
+    return frozenset({reverse("admin:password_change"), reverse("password_change")})
+
+
 def authenticates(request: HttpRequest) -> bool:
     """Tell whether ``request`` is one the throttle guards: an API call that authenticates,
-    or a login."""
+    a login, or a password change (which checks the current password)."""
     path = request.path
     if path.startswith(API_PREFIX):
         return not path.startswith(PUBLIC_API_PREFIXES)
-    return request.method == "POST" and path in login_paths()
+    return request.method == "POST" and path in login_paths() | password_change_paths()
+
+
+def guessed_a_password_wrong(request: HttpRequest, response: HttpResponse) -> bool:
+    """Tell whether ``response`` refuses a password change for a wrong current password."""
+    if request.path not in password_change_paths():
+        return False
+    form = (getattr(response, "context_data", None) or {}).get("form")
+    return form is not None and "old_password" in form.errors
 
 
 class FailedAuthenticationThrottle:
@@ -171,7 +186,7 @@ class FailedAuthenticationThrottle:
         if seconds is not None:
             return throttled(seconds) if request.path.startswith(API_PREFIX) else page(seconds)
         response = self.get_response(request)
-        if response.status_code == 401:
+        if response.status_code == 401 or guessed_a_password_wrong(request, response):
             try:
                 record_failure(address)
             except Exception as exc:

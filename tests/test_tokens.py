@@ -387,6 +387,31 @@ def test_the_31st_failed_login_in_a_minute_is_throttled(login_url: str) -> None:
     assert response.status_code == 302
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("change_url", ["/admin/password_change/", "/accounts/password_change/"])
+def test_guessing_the_current_password_in_a_password_change_is_throttled(
+    change_url: str,
+) -> None:
+    """A stolen session must not become a password oracle: each wrong current password
+    counts as a failed authentication, and the 31st try is refused."""
+    fresh_window()
+    user = get_user_model().objects.create_superuser("root", password="right-password")
+    browser = Client(REMOTE_ADDR="10.0.0.12")
+    browser.force_login(user)
+    guess = {"new_password1": "a-New-pass-42", "new_password2": "a-New-pass-42"}
+    for _ in range(30):
+        response = browser.post(change_url, {"old_password": "wrong", **guess})
+        assert response.status_code == 200  # the form again, with its error
+
+    refused = browser.post(change_url, {"old_password": "right-password", **guess})
+
+    assert refused.status_code == 429
+    assert 1 <= int(refused["Retry-After"]) <= 60
+    user.refresh_from_db()
+    assert user.check_password("right-password")
+    assert AuthFailure.objects.get(address="10.0.0.12").failures == 30
+
+
 # Across server processes, and on the stream (live servers, committed rows)
 
 
