@@ -465,3 +465,45 @@ def test_staff_pause_a_queue_from_the_queues_panel(
     row.get_by_role("button", name="Resume").click()
     expect(row.locator(".badge-paused")).to_have_count(0)
     assert len(transitions.claim(actor=agent, queues=["mail"])) == 1
+
+
+@pytest.mark.slow
+def test_the_task_page_follows_its_work_graph_progress_and_attempt_deadline_live(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Translate the manual", max_attempt_seconds=3600)
+    after = make_task(title="Print the manual", depends_on=[task.id])
+    log_in(page, person)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+    dependents = page.locator('[data-relation="dependents"]')
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-blocked')).to_be_visible()
+    expect(page.locator('[data-field="deadline"]')).to_be_hidden()
+
+    [claim] = transitions.claim(actor=agent, lease_seconds=60)
+    expect(page.locator('[data-field="lease"]')).to_have_text(re.compile(r"^[01]:\d\d left$"))
+    expect(page.locator('[data-field="deadline"]')).to_have_text(
+        re.compile(r"^attempt: (1h 00m|59:\d\d) left$")
+    )
+    child = transitions.create(actor=agent, title="Chapter one", parent_id=task.id)
+    children = page.locator('[data-relation="children"]')
+    expect(children.locator(f'[data-related-id="{child.id}"]')).to_contain_text("Chapter one")
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"chapters": 1}
+    )
+    expect(page.locator('[data-field="progress"]')).to_have_text('{\n  "chapters": 1\n}')
+    [child_claim] = transitions.claim(actor=agent)
+    assert child_claim.task.pk == child.id
+    transitions.heartbeat(
+        task_id=child.id, actor=agent, lease_token=child_claim.lease_token, progress={"pages": 4}
+    )
+    expect(children.locator(".related-progress")).to_have_text('{"pages":4}')
+    expect(children.locator(".badge-in_progress")).to_be_visible()
+
+    transitions.complete(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+
+    expect(page.locator('[data-field="status"]')).to_have_text("done")
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-blocked')).to_have_count(0)
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-pending')).to_be_visible()
+    expect(page.locator('[data-field="deadline"]')).to_be_hidden()
+    expect(page.locator('[data-field="progress"]')).to_have_text('{\n  "chapters": 1\n}')

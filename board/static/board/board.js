@@ -449,6 +449,8 @@
         break;
       case "heartbeat":
         task.leased_until = payload.lease_until;
+        // A heartbeat without progress keeps the last one.
+        if (payload.progress !== undefined) task.progress = payload.progress;
         break;
       case "completed":
       case "resolved":
@@ -1120,10 +1122,12 @@
       if (!item || item.hidden) return;
       item.status = event.status;
       if (event.type === "unblocked" || event.status !== "pending") item.blocked = false;
-      if (event.type === "requeued" || event.type === "heartbeat") {
-        // Progress (of a heartbeat) and blocked (after a requeue) are the server's to say.
+      if (event.type === "heartbeat" && payload.progress !== undefined) item.progress = payload.progress;
+      if (event.type === "requeued") {
+        // Whether it is blocked again is the server's to say; a requeue clears progress.
+        item.progress = null;
         const fresh = await fetchTask(item.id);
-        if (fresh) Object.assign(item, { status: fresh.status, blocked: fresh.blocked, progress: fresh.progress });
+        if (fresh) Object.assign(item, { status: fresh.status, blocked: fresh.blocked });
       }
       fillRelations();
     }
@@ -1177,15 +1181,10 @@
       seen.add(event.id);
       timeline.append(renderEvent(event));
       applyToTask(task, event);
-      if (event.type === "heartbeat" || needsRefetch(task, event)) {
-        // The progress a heartbeat reported, and whether a requeued task is blocked again,
-        // are not in the event: read the task as the server has it now.
+      if (needsRefetch(task, event)) {
+        // Whether a requeued task is blocked again is not in the event: ask the server.
         const fresh = await fetchTask(task.id);
-        if (fresh) {
-          for (const key of ["progress", "blocked", "attempt_started_at", "max_attempt_seconds"]) {
-            task[key] = fresh[key];
-          }
-        }
+        if (fresh) task.blocked = fresh.blocked;
       }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
