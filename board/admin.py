@@ -280,8 +280,8 @@ class QueueStateAdmin(ReadOnlyAdmin):
     search_fields = ["name", "changed_by", "note"]
     ordering = ["name"]
     actions = [pause, resume]
-    fields = ["name", "paused", "changed_at", "changed_by", "note"]
-    readonly_fields = fields
+    readonly_fields = ("name", "paused", "changed_at", "changed_by", "note")
+    fields = readonly_fields
     note_form_template = "admin/board/queuestate/note_form.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
@@ -336,8 +336,8 @@ class QueuePauseAdmin(ReadOnlyAdmin):
     list_filter = ["paused", "queue"]
     search_fields = ["queue", "actor", "note"]
     ordering = ["-id"]
-    fields = ["queue", "change", "actor", "note", "created_at"]
-    readonly_fields = fields
+    readonly_fields = ("queue", "change", "actor", "note", "created_at")
+    fields = readonly_fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return queue_access(request.user).visible(super().get_queryset(request), "queue")

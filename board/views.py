@@ -40,7 +40,7 @@ from board.exceptions import ForbiddenQueue, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
 from board.queues import agent_list, queue_list
-from board.relations import SUMMARY_FIELDS, hidden, relations_of, summary
+from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
 from escalations.models import TRIAGE_PERMISSION
 
@@ -189,7 +189,7 @@ def visible_agents(access: QueueAccess) -> list[dict[str, Any]]:
     return agents[:AGENTS_LIMIT]
 
 
-def dependencies_of(tasks: list[Task], access: QueueAccess) -> dict[int, dict[str, Any]]:
+def dependencies_of(tasks: list[Task], access: QueueAccess) -> dict[int, Summary]:
     """Return, by id, the dependencies of each blocked task of ``tasks``: what keeps it
     blocked is those not done. One of a queue the user may not see is listed by id only."""
     ids = {dep for task in tasks if task.blocked for dep in task.depends_on}

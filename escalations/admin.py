@@ -268,7 +268,7 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
             return self.redirect_to_queue(request)
         form = CommentForm(request.POST)
         if not form.is_valid():
-            self.message_user(request, " ".join(form.errors["body"]), messages.ERROR)
+            self.message_user(request, " ".join(map(str, form.errors["body"])), messages.ERROR)
         else:
             try:
                 transitions.comment(
@@ -285,8 +285,11 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
             args=[task_id],
             current_app=self.admin_site.name,
         )
-        preserved = {"preserved_filters": self.get_preserved_filters(request), "opts": self.opts}
-        return HttpResponseRedirect(add_preserved_filters(preserved, url) + "#comment")
+        preserved_filters = self.get_preserved_filters(request)
+        url = add_preserved_filters(
+            {"preserved_filters": preserved_filters, "opts": self.opts}, url
+        )
+        return HttpResponseRedirect(url + "#comment")
 
     def triage_view(self, request: HttpRequest, object_id: str, triage: Triage) -> HttpResponse:
         """Apply ``triage`` to one task (after its form, if it has one), back to the list."""
