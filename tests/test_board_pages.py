@@ -704,6 +704,9 @@ def test_the_task_page_shows_the_parent_children_with_progress_dependencies_and_
     assert relations["children"][0]["progress"] == {"pages": 3, "of": 10}
     assert relations["dependents"][0]["blocked"] is True
 
+    board = browser.get("/").content.decode()
+    assert f'<a class="chip chip-parent" href="/tasks/{plan.id}/"' in card_html(board, child.pk)
+    assert "chip-parent" not in card_html(board, after.id)
     child_page = browser.get(f"/tasks/{child.pk}/").content.decode()
     assert re.search(r'data-relation="parent">.*?data-related-id="(\d+)"', child_page, re.S)[
         1

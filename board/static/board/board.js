@@ -647,6 +647,10 @@
           ? h("span", { class: "chip chip-strikes", title: "Failures since the last requeue" },
             `${task.failure_count}/${task.max_failures ?? "?"} strikes`)
           : null,
+        task.parent_id
+          ? h("a", { class: "chip chip-parent", href: `/tasks/${task.parent_id}/`, title: `A subtask of #${task.parent_id}` },
+            `sub of #${task.parent_id}`)
+          : null,
         task.blocked
           ? h("span", { class: "chip chip-blocked", title: "Not claimable until its dependencies are done" }, "blocked")
           : null,
