@@ -507,3 +507,28 @@ def test_the_task_page_follows_its_work_graph_progress_and_attempt_deadline_live
     expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-pending')).to_be_visible()
     expect(page.locator('[data-field="deadline"]')).to_be_hidden()
     expect(page.locator('[data-field="progress"]')).to_have_text('{\n  "chapters": 1\n}')
+
+
+@pytest.mark.slow
+def test_the_board_says_when_the_attempt_deadline_took_a_task_from_its_holder(
+    page: Page, person: Any, agent: Any, other_agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Spin forever", max_attempt_seconds=1)
+    log_in(page, person)
+
+    transitions.claim(actor=agent, lease_seconds=60)
+    held = card(page, "in_progress", task.id)
+    expect(held).to_contain_text(agent.username)
+    expect(held.locator(".deadline")).to_be_visible()
+    time.sleep(1.2)  # past the attempt deadline (the lease was cut to it)
+    transitions.claim(actor=other_agent)
+
+    expect(held).to_contain_text(other_agent.username)
+    expect(held.locator(".card-error")).to_have_text(
+        f"attempt deadline passed (held by {agent.username})"
+    )
+    assert Task.objects.get(pk=task.id).last_error == (
+        f"attempt deadline passed (held by {agent.username})"
+    ), "the page says what the server recorded"
+    expired = TaskEvent.objects.get(task=task, type="expired")
+    assert expired.payload["reason"] == "attempt_deadline"
