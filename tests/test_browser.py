@@ -457,12 +457,12 @@ def test_staff_pause_a_queue_from_the_queues_panel(
     expect(row.locator('[data-n="pending"]')).to_have_text("1")
 
     row.get_by_label("Note on mail").fill("the relay is down")
-    row.get_by_role("button", name="Pause").click()
+    row.get_by_role("button", name="Pause mail").click()
 
     expect(page.get_by_role("status").filter(has_text="Paused mail")).to_be_visible()
     expect(row.locator(".badge-paused")).to_have_text("paused")
     assert transitions.claim(actor=agent, queues=["mail"]) == []
-    row.get_by_role("button", name="Resume").click()
+    row.get_by_role("button", name="Resume mail").click()
     expect(row.locator(".badge-paused")).to_have_count(0)
     assert len(transitions.claim(actor=agent, queues=["mail"])) == 1
 

@@ -715,7 +715,10 @@
               class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note (optional)",
               "aria-label": `Note on ${queue.name}`,
             }),
-            h("button", { type: "submit", class: `button small${queue.paused ? "" : " danger"}` },
+            h("button", {
+              type: "submit", class: `button small${queue.paused ? "" : " danger"}`,
+              "aria-label": `${queue.paused ? "Resume" : "Pause"} ${queue.name}`,
+            },
               queue.paused ? "Resume" : "Pause")))
         : null);
   }
