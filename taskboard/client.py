@@ -1193,7 +1193,9 @@ class Lease:
         self._stopping.set()
         self._wake.set()
         try:
-            if progress:
+            if progress and self._unsent_progress()[1]:
+                # Let a heartbeat in flight land first, so the progress goes out once.
+                self.stop()
                 self._send_progress()
             task = call()
         except LeaseLost as exc:
