@@ -556,6 +556,40 @@ def test_submit_creates_tasks_from_arguments_and_from_json_lines(
 
 
 @live
+def test_submit_takes_dependencies_a_parent_and_an_attempt_limit_and_tasks_filters_by_them(
+    server: LiveServer, token: str
+) -> None:
+    def ids(*args: str, stdin: str = "") -> list[int]:
+        done = taskboard(server, token, *args, stdin=stdin)
+        assert done.returncode == 0, done.stderr
+        return [int(line) for line in done.stdout.split()]
+
+    plan, fetch = ids("submit", "--queue", "q", "plan", "fetch")
+    [build] = ids(
+        "submit", "--depends-on", f"{plan},{fetch}", "--parent", str(plan),
+        "--max-attempt-seconds", "600", "build",
+    )  # fmt: skip
+    line = json.dumps({"title": "keyed", "idempotency_key": "k-1"})
+    [keyed] = ids("submit", "-", stdin=line)
+    assert ids("submit", "-", stdin=line) == [keyed]  # the key makes the repeat a no-op
+
+    task = Task.objects.get(id=build)
+    assert (task.parent_id, task.max_attempt_seconds) == (plan, 600)
+    assert sorted(task.dependencies.values_list("depends_on_id", flat=True)) == [plan, fetch]
+    assert Task.objects.get(id=keyed).idempotency_key == "k-1"
+
+    def listed(*filters: str) -> list[int]:
+        done = taskboard(server, token, "tasks", "--json", *filters)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(row)["id"] for row in done.stdout.splitlines()]
+
+    assert listed("--blocked") == [build]
+    assert listed("--not-blocked") == [keyed, fetch, plan]
+    assert listed("--parent", str(plan)) == [build]
+    assert listed("--depends-on", str(fetch)) == [build]
+
+
+@live
 def test_tasks_lists_by_filter_as_json_lines_or_a_table(
     server: LiveServer, token: str, agent: Any
 ) -> None:
