@@ -363,7 +363,8 @@ class Event:
 class Queue:
     """A queue at a glance (``GET queues/``): whether it is paused, and its tasks counted
     by status (``pending``, ``blocked``, ``in_progress``, ``escalated``, ``done``,
-    ``cancelled``; ``blocked`` ones are pending too)."""
+    ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
+    pending, unblocked task was created."""
 
     name: str
     paused: bool
@@ -427,11 +428,6 @@ TaskRef = Task | int
 
 def _task_id(task: TaskRef) -> int:
     return task if isinstance(task, int) else task.id
-
-
-def _items(data: Any) -> list[Any]:
-    # A list, or (as tasks and events) an object with the list in "results".
-    return list(data["results"] if isinstance(data, dict) else data)
 
 
 def _lease_of(task: ClaimedTask | int, lease_token: str | None) -> tuple[int, str]:
@@ -759,7 +755,7 @@ class Client:
 
     def queues(self) -> list[Queue]:
         """Return every queue that has tasks, with its counts and whether it is paused."""
-        return [Queue.from_json(q) for q in _items(self._request("GET", "/queues/"))]
+        return [Queue.from_json(q) for q in self._request("GET", "/queues/")]
 
     def pause_queue(self, name: str, *, note: str | None = None) -> Queue:
         """Staff: stop handing out the queue's tasks (leases already held run on)."""
@@ -773,7 +769,7 @@ class Client:
 
     def agents(self) -> list[Agent]:
         """Return every user that has claimed a task: what it holds, when it was last seen."""
-        return [Agent.from_json(a) for a in _items(self._request("GET", "/agents/"))]
+        return [Agent.from_json(a) for a in self._request("GET", "/agents/")]
 
     # -- events --------------------------------------------------------------------------
 

@@ -327,12 +327,12 @@ if previous is not None:
     sys.exit(0)
 out = open(int(os.environ["TASKBOARD_PROGRESS_FD"]), "w", buffering=1)
 for n in range(50):
-    out.write(json.dumps({"step": 0, "n": n}) + "\n")
-out.write("{not json\n")
-out.write(json.dumps({"step": 1, "saw": os.environ["TASKBOARD_PROGRESS"]}) + "\n")
+    out.write(json.dumps({"step": 0, "n": n}) + "\\n")
+out.write("{not json\\n")
+out.write(json.dumps({"step": 1, "saw": os.environ["TASKBOARD_PROGRESS"]}) + "\\n")
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
-out.write(json.dumps({"step": 2}) + "\n")
+out.write(json.dumps({"step": 2}) + "\\n")
 sys.exit(1)
 """
 
