@@ -282,8 +282,11 @@ class ClaimedTask(Task):
 
     ``lease_seconds`` is the lease length asked for (or, when the claim asked for none,
     estimated from ``leased_until``); ``claimed_at`` is the ``time.monotonic()`` at which
-    the claim was sent, so the lease surely runs out no earlier than ``claimed_at +
-    lease_seconds`` on this machine's clock.
+    the server claimed the task, as this machine places it: the lease runs out about
+    ``claimed_at + lease_seconds`` on this machine's clock. The claim happened between
+    sending the request and reading its answer, which may be ``wait`` seconds apart; the
+    two clocks place it within that span (the claim's ``attempt_started_at`` against this
+    machine's time), and where they cannot, it counts from the sending, erring early.
     """
 
     lease_token: str = field(repr=False)
@@ -645,24 +648,37 @@ class Client:
         # The server answers after up to ``wait`` seconds: the read may take that long.
         timeout = self.timeout + min(float(wait), MAX_WAIT) if wait else None
         data = self._request("POST", "/tasks/claim/", body=body, timeout=timeout)
+        received = time.monotonic()
         now = datetime.now(UTC)
         claimed = []
         for raw in data["tasks"]:
             fields = _task_fields(raw)
+            until = fields["leased_until"] or now
+            began = fields["attempt_started_at"]  # the claim's time on the server's clock
+            claimed_at = sent
+            if began is not None:
+                # A claim that waited was sent up to ``wait`` seconds before the server
+                # claimed the task: counting the lease from the sending could make it run
+                # out here before it was even renewed. Its age by the two clocks, within
+                # the time the request took, places the claim (a skewed clock errs
+                # within that span).
+                age = min(max((now - began).total_seconds(), 0.0), received - sent)
+                claimed_at = received - age
             if lease_seconds is not None:
                 length = float(lease_seconds)
+            elif began is not None:
+                length = max(1.0, (until - began).total_seconds())
             else:
                 # The server's default length, estimated by what is left of it now: a bit
                 # short (by the answer's travel time), so the lease's deadline as counted
                 # from ``sent`` errs early. A skewed clock skews the estimate.
-                until = fields["leased_until"] or now
                 length = max(1.0, (until - now).total_seconds())
             claimed.append(
                 ClaimedTask(
                     **fields,
                     lease_token=raw["lease_token"],
                     lease_seconds=length,
-                    claimed_at=sent,
+                    claimed_at=claimed_at,
                 )
             )
         return claimed
@@ -1056,8 +1072,8 @@ class Lease:
         self.interval = interval if interval is not None else self.lease_seconds / 3
         self.progress_interval = progress_interval
         started = task.claimed_at or time.monotonic()
-        # Local monotonic time by which the attempt has surely ended: the server started
-        # it after ``started``, so this errs early, as the lease's deadline does.
+        # Local monotonic time by which the attempt ends (as the lease's deadline, counted
+        # from the claim as the client placed it).
         self._attempt_ends = (
             started + task.max_attempt_seconds
             if task.max_attempt_seconds is not None

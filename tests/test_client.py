@@ -770,6 +770,24 @@ def test_the_lease_helper_reports_the_loss_at_once_when_another_agent_reclaims(
 
 
 @live
+def test_a_lease_claimed_after_a_wait_longer_than_the_lease_lives_on(
+    board: Client, agent: Any
+) -> None:
+    threading.Timer(3, lambda: transitions.create(actor=agent, title="late", queue="w")).start()
+    sent = time.monotonic()
+    [task] = board.claim(queues=["w"], wait=10, lease_seconds=2)
+    received = time.monotonic()
+
+    # Counted from the claim, not from the request sent 3 s before it.
+    assert received - sent >= 2.9
+    assert received - 0.5 <= task.claimed_at <= received
+    with board.lease(task) as lease:
+        assert not lease.wait_lost(timeout=2.5)  # heartbeats every 2/3 s keep it
+        lease.complete()
+    assert board.get(task).status == "done"
+
+
+@live
 def test_the_lease_helper_says_the_lease_is_lost_when_no_heartbeat_gets_through(
     board: Client,
 ) -> None:

@@ -278,6 +278,20 @@ def test_a_command_past_its_attempt_deadline_is_stopped_though_its_lease_is_long
 
 
 @live
+def test_a_task_that_came_after_a_wait_longer_than_the_lease_is_run(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    worker = start_worker("--queue", "late", "--lease", "2", "--wait", "10", command=["true"])
+    time.sleep(3.5)  # the worker's claim waits longer than its lease: the test's subject
+    task = transitions.create(actor=agent, title="late", queue="late")
+
+    eventually(lambda: status_of(task.id) == "done", what="the task done")
+    assert worker.stop() == 0
+    assert "lost" not in event_types(task.id) and "expired" not in event_types(task.id)
+    assert "stopped: 1 done, 0 failed, 0 released, 0 lost" in worker.output
+
+
+@live
 def test_a_failing_command_waits_longer_after_each_strike(
     start_worker: Callable[..., WorkerProcess], agent: Any
 ) -> None:
