@@ -433,6 +433,12 @@ def _task_id(task: TaskRef) -> int:
     return task if isinstance(task, int) else task.id
 
 
+def _items(data: Any) -> list[Any]:
+    # queues/ and agents/ answer a bare list; their OpenAPI entry (one object) may yet
+    # become a page, {"results": [...]}, as tasks/ and events/ answer: read either.
+    return list(data["results"] if isinstance(data, dict) else data)
+
+
 def _lease_of(task: ClaimedTask | int, lease_token: str | None) -> tuple[int, str]:
     if lease_token is None:
         if not isinstance(task, ClaimedTask):
@@ -771,7 +777,7 @@ class Client:
 
     def queues(self) -> list[Queue]:
         """Return every queue that has tasks, with its counts and whether it is paused."""
-        return [Queue.from_json(q) for q in self._request("GET", "/queues/")]
+        return [Queue.from_json(q) for q in _items(self._request("GET", "/queues/"))]
 
     def pause_queue(self, name: str, *, note: str | None = None) -> Queue:
         """Staff: stop handing out the queue's tasks (leases already held run on)."""
@@ -785,7 +791,7 @@ class Client:
 
     def agents(self) -> list[Agent]:
         """Return every user that has claimed a task: what it holds, when it was last seen."""
-        return [Agent.from_json(a) for a in self._request("GET", "/agents/")]
+        return [Agent.from_json(a) for a in _items(self._request("GET", "/agents/"))]
 
     # -- events --------------------------------------------------------------------------
 
