@@ -74,7 +74,8 @@ MAX_PROGRESS_COMPLAINTS = 10
 # Why a command was stopped.
 LEASE_LOST = "lease lost"
 SHUTDOWN = "shutdown"
-# The environment variables the worker sets for the command (and never passes on).
+# The progress variables set for each command (one inherited from a worker that runs
+# this worker is not passed on).
 PROGRESS_VARIABLE = "TASKBOARD_PROGRESS"
 PROGRESS_FD_VARIABLE = "TASKBOARD_PROGRESS_FD"
 

@@ -21,7 +21,9 @@ from board import transitions
 from board.access import limit_queues
 from board.models import Task, TaskEvent, TaskStatus
 from taskboard.worker import (
+    MAX_PROGRESS_BYTES,
     Display,
+    ProgressPipe,
     WorkerOptions,
     failure_message,
     parse_progress,
@@ -395,6 +397,28 @@ def test_the_backoff_doubles_with_each_strike_up_to_its_cap_and_retry_after_repl
     assert retry_delay(99, options, rng) <= 60  # no overflow however many strikes
     fixed = WorkerOptions(command=["true"], url="http://board.test", retry_after=0)
     assert [retry_delay(strikes, fixed) for strikes in range(3)] == [0, 0, 0]
+
+
+def test_the_progress_pipe_reports_each_value_and_skips_what_is_not_one() -> None:
+    reported: list[Any] = []
+    complaints: list[str] = []
+    pipe = ProgressPipe(reported.append, complaints.append)
+    writer = os.fdopen(os.dup(pipe.write_fd), "wb")
+    pipe.start()  # closes the pipe's own write end: the dup keeps it open
+
+    writer.write(b'{"n": 1}\n\n')
+    writer.write(b'{"big": "' + b"x" * MAX_PROGRESS_BYTES + b'"}\n')
+    writer.write(b"[2]\n")
+    writer.write(b"oops\n" * 12)
+    writer.write(b'{"n": 3}')  # the last line needs no newline
+    writer.close()
+    pipe.wait(timeout=5)
+
+    assert reported == [{"n": 1}, [2], {"n": 3}]
+    assert len(complaints) == 10  # one over the limit and the first nine of twelve
+    assert complaints[0].startswith(f"progress line ignored, over {MAX_PROGRESS_BYTES} bytes")
+    assert complaints[1].startswith("progress line ignored, not JSON") and "'oops'" in complaints[1]
+    assert complaints[-1].endswith("(later ones are not logged)")
 
 
 def test_a_progress_line_is_any_json_value_but_null() -> None:
