@@ -5,7 +5,7 @@ escalation queue in ``escalations.admin`` offers the human transitions), and the
 is append-only. The event inline, the work graph and the JSON rendering live here, for both
 task admins. Staff set which queues an agent is limited to (board.access) on the user's
 page. A queue's state and its log of pauses and resumes are read-only lists; pausing and
-resuming are actions on the queues, for staff with the triage permission, that call
+resuming are actions on the queues, for staff (as in the API), that call
 ``board.transitions.pause_queue`` and ``resume_queue``.
 """
 
@@ -28,10 +28,10 @@ from django.utils.safestring import SafeString
 
 from board import transitions
 from board.access import queue_access
+from board.api.permissions import may_pause_queues
 from board.forms import QueueNoteForm
 from board.models import QueueLimit, QueuePause, QueueState, Task, TaskEvent
 from board.relations import relations_of
-from escalations.models import TRIAGE_PERMISSION
 
 admin.site.site_header = "Taskboard administration"
 admin.site.site_title = "Taskboard admin"
@@ -253,14 +253,14 @@ def _queues(count: int) -> str:
     return f"{count} queue" if count == 1 else f"{count} queues"
 
 
-@admin.action(permissions=["triage"], description="Pause selected queues…")
+@admin.action(permissions=["pause"], description="Pause selected queues…")
 def pause(
     modeladmin: QueueStateAdmin, request: HttpRequest, queryset: QuerySet[QueueState]
 ) -> HttpResponse | None:
     return modeladmin.set_paused(request, queryset, paused=True)
 
 
-@admin.action(permissions=["triage"], description="Resume selected queues…")
+@admin.action(permissions=["pause"], description="Resume selected queues…")
 def resume(
     modeladmin: QueueStateAdmin, request: HttpRequest, queryset: QuerySet[QueueState]
 ) -> HttpResponse | None:
@@ -287,9 +287,9 @@ class QueueStateAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return queue_access(request.user).visible(super().get_queryset(request), "name")
 
-    def has_triage_permission(self, request: HttpRequest) -> bool:
-        """Return whether the user may pause and resume queues (as they may triage)."""
-        return bool(request.user.is_staff and request.user.has_perm(TRIAGE_PERMISSION))
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        """Return whether the user may pause and resume queues (staff, as in the API)."""
+        return may_pause_queues(request.user)
 
     def set_paused(
         self, request: HttpRequest, queryset: QuerySet[QueueState], *, paused: bool

@@ -9,7 +9,7 @@ applies anything twice. A holder's changes go through the REST API
 
 Two plain HTML forms post here instead, and work without the script: a comment on a task's
 page (any user who may see the task) and pausing or resuming a queue in the board's queues
-panel (staff with the triage permission). Each calls its transition and redirects back.
+panel (staff). Each calls its transition and redirects back.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from django.views.decorators.http import require_POST, require_safe
 
 from board import conf, transitions
 from board.access import QueueAccess, queue_access
+from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
@@ -42,7 +43,6 @@ from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
 from board.queues import agent_list, queue_list
 from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
-from escalations.models import TRIAGE_PERMISSION
 
 # The board shows every open task up to this many per column (a note counts the rest)...
 OPEN_COLUMN_LIMIT = 200
@@ -170,12 +170,6 @@ def _card(task: dict[str, Any]) -> dict[str, Any]:
 
 def _stream_context(resume_id: int, skip: list[int]) -> dict[str, Any]:
     return {"resume_id": resume_id, "skip": skip, "now": timezone.now().isoformat()}
-
-
-def may_pause_queues(user: Any) -> bool:
-    """Return whether ``user`` may pause and resume queues: staff with the triage
-    permission, the test the API and the admin apply to requeue, resolve and cancel."""
-    return bool(user.is_authenticated and user.is_staff and user.has_perm(TRIAGE_PERMISSION))
 
 
 def visible_agents(access: QueueAccess) -> list[dict[str, Any]]:
@@ -336,7 +330,7 @@ def comment(request: HttpRequest, pk: int) -> HttpResponse:
 def _set_paused(request: HttpRequest, name: str, *, paused: bool) -> HttpResponse:
     """Pause or resume queue ``name`` as the user, then go back to where the form was."""
     if not may_pause_queues(request.user):
-        raise PermissionDenied("Only staff with the triage permission may pause queues.")
+        raise PermissionDenied("Only staff may pause or resume queues.")
     try:
         queue_access(request.user).check(name)
     except ForbiddenQueue as exc:
