@@ -3,6 +3,7 @@ new event, the tasks table's constraints, and the partial indexes the claim runs
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -348,3 +349,35 @@ def test_a_claim_on_busy_queues_reads_only_the_partial_indexes(a_busy_board: Non
         assert "tasks_pending_queue_claim_idx" in plan or "tasks_pending_claim_idx" in plan, plan
         assert "tasks_in_progress_lease_idx" in plan, plan
         assert "Seq Scan on tasks" not in plan, plan
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("queues", [None, ["q1"]])
+def test_a_claim_reads_a_few_index_entries_however_many_tasks_are_pending(
+    agent: Any, queues: list[str] | None
+) -> None:
+    # A claim takes the first tasks in claim order from a partial index: it reads about
+    # `limit` entries, not every pending task (and sorts nothing of that size). A pause of
+    # another queue must not change that.
+    run_sql(
+        INSERT_TASKS, {"status": "pending", "count": 20_000, "queue": "q1", "actor": agent.username}
+    )
+    transitions.pause_queue(queue="q2", actor=agent)
+    run_sql("ANALYZE tasks")
+    params = {
+        "actor": agent.username,
+        "all_queues": not queues,
+        "queues": list(queues or []),
+        "lease_seconds": 120,
+        "limit": 1,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS OFF) " + QUERIES["claim"], params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    pending = [line for line in plan.splitlines() if "tasks_pending" in line and "Scan" in line]
+    assert pending, plan
+    for line in pending:
+        actual = re.search(r"actual time=\S+ rows=(\d+)", line)
+        assert actual and int(actual[1]) <= 5, plan
+    assert "Seq Scan on tasks" not in plan, plan

@@ -77,7 +77,9 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- %(all_queues)s is a literal true or false (client-side binding), so the planner drops
 -- the queue condition entirely when it is true.
 -- Blocked tasks (open_dependencies > 0) are not in the pending indexes at all; tasks of a
--- paused queue are filtered out (the list of paused queues is read once per statement).
+-- paused queue are filtered out row by row, as the index scan in claim order meets them
+-- (NOT EXISTS: the planner estimated a filter on an array of paused queue names at one
+-- row and read and sorted every pending task instead of taking the first in the index).
 -- An expired lease whose attempt deadline had passed (a heartbeat never extends a lease
 -- beyond it) is recorded with reason "attempt_deadline", any other with "lease_expired".
 WITH expired AS (
@@ -90,7 +92,7 @@ WITH expired AS (
     WHERE status = 'in_progress'
       AND leased_until <= now()
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
-      AND queue <> ALL(ARRAY(SELECT name FROM queue_states WHERE paused))
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
     -- In claim order, so a higher-priority expired task is never passed over; expired
     -- leases are few, and the index range scan finds them all before this sort.
     ORDER BY priority DESC, created_at, id
@@ -103,7 +105,7 @@ WITH expired AS (
       AND open_dependencies = 0
       AND (run_after IS NULL OR run_after <= now())
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
-      AND queue <> ALL(ARRAY(SELECT name FROM queue_states WHERE paused))
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
     ORDER BY priority DESC, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
