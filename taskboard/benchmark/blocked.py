@@ -84,7 +84,7 @@ INSERT INTO tasks (
     created_by, created_at, updated_at, depends_on, open_dependencies
 )
 SELECT 'blocked ' || g, '', '{}'::jsonb, 'default',
-       CASE WHEN g %% 2 = 0 THEN 1 + g %% 10 ELSE 0 END, 3, 'pending', 0, %(created_by)s,
+       CASE WHEN g %% 2 = 0 THEN 1 + (g / 2) %% 10 ELSE 0 END, 3, 'pending', 0, %(created_by)s,
        CASE WHEN g %% 2 = 0 THEN now() ELSE now() - interval '1 day' END, now(),
        ARRAY[b.ids[1 + g %% cardinality(b.ids)]], 1
 FROM generate_series(1, %(count)s) g, blockers b

@@ -49,7 +49,8 @@ class Sizes:
 FULL = Sizes(finished=1_000_000, requests=2_000, warm=100)
 QUICK = Sizes(finished=100_000, requests=400, warm=50)
 
-# ``count`` tasks with the given status, the n-th in queue n modulo the number of queues.
+# ``count`` tasks with the given status, round robin over the queues (``finished``: one in
+# ten cancelled, in every queue, the others done).
 INSERT_TASKS = """
 INSERT INTO tasks (
     title, description, payload, queue, priority, max_failures, status, failure_count,
@@ -62,7 +63,7 @@ FROM generate_series(1, %(count)s) g,
      (SELECT %(queues)s::text[] AS names) q,
      LATERAL (SELECT CASE
          WHEN %(status)s <> 'finished' THEN %(status)s
-         WHEN g %% 10 = 0 THEN 'cancelled'
+         WHEN (g / 5) %% 10 = 0 THEN 'cancelled'
          ELSE 'done' END AS status) s
 """
 
