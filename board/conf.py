@@ -23,3 +23,10 @@ def max_failures() -> int:
 def body_timeout() -> float:
     """Return the seconds a request body may take to arrive (TASKBOARD_BODY_TIMEOUT)."""
     return float(getattr(settings, "TASKBOARD_BODY_TIMEOUT", 30))
+
+
+def max_attempt_seconds() -> int | None:
+    """Return how long one attempt may hold a task that names no limit
+    (TASKBOARD_MAX_ATTEMPT_SECONDS; unset: no limit)."""
+    value = getattr(settings, "TASKBOARD_MAX_ATTEMPT_SECONDS", None)
+    return int(value) if value else None

@@ -27,9 +27,16 @@ class LeaseLost(BoardError):
 
     code = "lease_lost"
 
-    def __init__(self, task_id: int, status: str) -> None:
+    def __init__(self, task_id: int, status: str, *, deadline_passed: bool = False) -> None:
         self.task_id = task_id
         self.status = status
+        self.deadline_passed = deadline_passed
+        if deadline_passed:
+            super().__init__(
+                f"You do not hold a live lease on task {task_id}: the attempt deadline "
+                "passed (max_attempt_seconds since the claim). Stop working on it."
+            )
+            return
         super().__init__(
             f"You do not hold a live lease on task {task_id} (it is {status}): "
             "wrong token, another holder, or the lease expired. Stop working on it."
@@ -47,6 +54,20 @@ class InvalidTransition(BoardError):
         super().__init__(
             f"Cannot {action} task {task_id}: it is {status}, "
             f"and {action} applies only to {' or '.join(allowed)} tasks."
+        )
+
+
+class IdempotencyConflict(BoardError):
+    """A create repeated an idempotency key of the same user with a different body."""
+
+    code = "idempotency_conflict"
+
+    def __init__(self, key: str, task_id: int) -> None:
+        self.key = key
+        self.task_id = task_id
+        super().__init__(
+            f"The Idempotency-Key was used before, by you, to create task {task_id} with "
+            "another body. Use a new key for a new task."
         )
 
 

@@ -8,7 +8,7 @@ NOTIFY of each new event and the partial indexes the claim query runs on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
@@ -44,6 +44,12 @@ class EventType(models.TextChoices):
     REQUEUED = "requeued"
     RESOLVED = "resolved"
     CANCELLED = "cancelled"
+    COMMENTED = "commented"
+    UNBLOCKED = "unblocked"
+
+
+MAX_ATTEMPT_SECONDS = 604800
+MAX_DEPENDENCIES = 100
 
 
 class TaskQuerySet(models.QuerySet["Task"]):
@@ -54,13 +60,18 @@ class TaskQuerySet(models.QuerySet["Task"]):
     def escalated(self) -> TaskQuerySet:
         return self.filter(status=TaskStatus.ESCALATED)
 
+    def blocked(self, blocked: bool = True) -> TaskQuerySet:
+        """Pending tasks with a dependency that is not done (or, False, all the others)."""
+        condition = models.Q(status=TaskStatus.PENDING, open_dependencies__gt=0)
+        return self.filter(condition) if blocked else self.exclude(condition)
+
     def next_claimable_at(self, queues: Sequence[str] | None = None) -> datetime | None:
         """Return when the next task in ``queues`` becomes claimable without any event:
         a pending task's future run_after, or an in-progress task's lease deadline."""
         tasks = self.filter(queue__in=queues) if queues else self
-        due = tasks.filter(status=TaskStatus.PENDING, run_after__gt=Now()).aggregate(
-            at=Min("run_after")
-        )["at"]
+        due = tasks.filter(
+            status=TaskStatus.PENDING, open_dependencies=0, run_after__gt=Now()
+        ).aggregate(at=Min("run_after"))["at"]
         expiry = tasks.filter(status=TaskStatus.IN_PROGRESS).aggregate(at=Min("leased_until"))["at"]
         return min((at for at in (due, expiry) if at is not None), default=None)
 
@@ -113,6 +124,43 @@ class Task(models.Model):
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
 
+    # -- Work graphs (contract: "Additions to v1") --
+    # The dependencies as given on create (ids of older tasks), kept on the row so that a
+    # task reads without a join; task_dependencies holds the same edges with foreign keys,
+    # indexed for the way back (which tasks wait for this one).
+    depends_on = ArrayField(models.BigIntegerField(), default=list, db_default=[], blank=True)
+    # How many of depends_on are not done: the task is blocked while it is pending and this
+    # is above zero. The claim's partial indexes hold only rows where it is zero, so blocked
+    # tasks cost a claim nothing. Kept by board.transitions (create, complete, resolve,
+    # requeue).
+    open_dependencies = models.PositiveIntegerField(default=0, db_default=0, editable=False)
+    # Indexed partially in migration 0008 (children are listed by parent; few tasks have one).
+    parent = models.ForeignKey(
+        "self",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="children",
+        db_index=False,
+    )
+    # The latest progress a heartbeat reported; survives a lost lease, release and fail.
+    progress = models.JSONField(null=True, blank=True)
+    max_attempt_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_ATTEMPT_SECONDS)],
+    )
+    attempt_started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Unique per creator (a partial unique index): a create that repeats a key creates
+    # nothing. The fingerprint is a SHA-256 of the create's validated body, to tell a retry
+    # (same body) from a conflict (another body).
+    idempotency_key = models.CharField(  # noqa: DJ001 (the contract has null)
+        max_length=255, null=True, blank=True, editable=False
+    )
+    idempotency_fingerprint = models.CharField(  # noqa: DJ001
+        max_length=64, null=True, blank=True, editable=False
+    )
+
     objects = TaskQuerySet.as_manager()
 
     class Meta:
@@ -154,6 +202,19 @@ class Task(models.Model):
                 ),
                 name="tasks_lease_iff_in_progress",
             ),
+            models.CheckConstraint(
+                condition=models.Q(max_attempt_seconds__gte=1)
+                & models.Q(max_attempt_seconds__lte=MAX_ATTEMPT_SECONDS),
+                name="tasks_max_attempt_seconds_range",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(parent__lt=models.F("id")), name="tasks_parent_is_older"
+            ),
+            models.UniqueConstraint(
+                fields=["created_by", "idempotency_key"],
+                condition=models.Q(idempotency_key__isnull=False),
+                name="tasks_idempotency_key_unique",
+            ),
         ]
         # The claim's partial indexes are created in migration 0002 with raw SQL.
 
@@ -162,6 +223,44 @@ class Task(models.Model):
 
     def get_absolute_url(self) -> str:
         return reverse("api:task-detail", args=[self.pk])
+
+    @property
+    def blocked(self) -> bool:
+        """Pending with a dependency that is not done: not claimable."""
+        return self.status == TaskStatus.PENDING and self.open_dependencies > 0
+
+    @property
+    def attempt_deadline(self) -> datetime | None:
+        """When the current attempt must end, however often its holder heartbeats."""
+        if self.attempt_started_at is None or self.max_attempt_seconds is None:
+            return None
+        return self.attempt_started_at + timedelta(seconds=self.max_attempt_seconds)
+
+
+class TaskDependency(models.Model):
+    """An edge of the work graph: ``task`` may be claimed once ``depends_on`` is done.
+
+    A dependency is always an older task (a smaller id), so the graph has no cycles.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    task = models.ForeignKey(
+        Task, on_delete=models.PROTECT, related_name="dependencies", db_index=False
+    )
+    depends_on = models.ForeignKey(Task, on_delete=models.PROTECT, related_name="dependents")
+
+    class Meta:
+        db_table = "task_dependencies"
+        constraints = [
+            models.UniqueConstraint(fields=["task", "depends_on"], name="task_dependencies_unique"),
+            models.CheckConstraint(
+                condition=models.Q(depends_on__lt=models.F("task")),
+                name="task_dependencies_older",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"task {self.task_id} after {self.depends_on_id}"
 
 
 class TaskEvent(models.Model):
@@ -222,3 +321,97 @@ class QueueLimit(models.Model):
     def clean(self) -> None:
         # One spelling for each limit: sorted, without duplicates.
         self.queues = sorted(set(self.queues))
+
+
+class QueueState(models.Model):
+    """Whether a queue is paused, as of its last pause or resume (board.transitions)."""
+
+    name = models.CharField(max_length=64, primary_key=True, validators=[queue_validator])
+    paused = models.BooleanField(default=False)
+    changed_at = models.DateTimeField(db_default=Now())
+    changed_by = models.CharField(max_length=150)
+    note = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "queue_states"
+        verbose_name = "queue"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({'paused' if self.paused else 'running'})"
+
+
+class QueuePause(models.Model):
+    """One pause or resume of a queue: who, when and why. Only ever inserted."""
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.CharField(max_length=64)
+    paused = models.BooleanField()
+    actor = models.CharField(max_length=150)
+    note = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "queue_pauses"
+        ordering = ["-id"]
+        verbose_name = "queue pause or resume"
+        verbose_name_plural = "queue pauses and resumes"
+        indexes = [models.Index(fields=["queue", "id"], name="queue_pauses_queue_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.queue} {'paused' if self.paused else 'resumed'} by {self.actor}"
+
+
+class QueueCounter(models.Model):
+    """One shard of a queue's task counts by status (blocked apart from pending).
+
+    Written only by the statement triggers of migration 0008, from every statement that
+    inserts or updates tasks; read by board.queues, which sums the shards. A transaction
+    adds its changes to a shard row that no other transaction holds (SKIP LOCKED), or to a
+    new one, so concurrent transitions on one queue never wait for each other here.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.CharField(max_length=64)
+    shard = models.IntegerField()
+    pending = models.BigIntegerField(default=0)
+    blocked = models.BigIntegerField(default=0)
+    in_progress = models.BigIntegerField(default=0)
+    escalated = models.BigIntegerField(default=0)
+    done = models.BigIntegerField(default=0)
+    cancelled = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "queue_counters"
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "shard"], name="queue_counters_shard")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue}/{self.shard}"
+
+
+class AgentActivity(models.Model):
+    """One shard of an agent's activity in one hour: when it was last seen, and what its
+    leases came to. Written only by the statement trigger on task_events (migration 0008),
+    sharded like QueueCounter so that one agent's parallel workers never wait for each
+    other; read by board.queues.agent_list."""
+
+    id = models.BigAutoField(primary_key=True)
+    agent = models.CharField(max_length=150)
+    hour = models.DateTimeField()
+    shard = models.IntegerField()
+    last_seen_at = models.DateTimeField(null=True)
+    completed = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    expired = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "agent_activity"
+        verbose_name_plural = "agent activity"
+        constraints = [
+            models.UniqueConstraint(fields=["agent", "hour", "shard"], name="agent_activity_shard")
+        ]
+        indexes = [models.Index(fields=["hour"], name="agent_activity_hour_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.agent} {self.hour:%Y-%m-%d %H}h/{self.shard}"

@@ -43,6 +43,8 @@ from board.sql import QUERIES
 logger = logging.getLogger(__name__)
 
 CHANNEL = "task_events"
+# A queue resumed (board.transitions.resume_queue): its name, for the claims waiting on it.
+QUEUE_CHANNEL = "task_queues"
 SSE_EVENT_TYPE = "task_event"
 
 
@@ -164,6 +166,8 @@ class Relay:
         self.connected = asyncio.Event()
         self.subscribers: set[Subscriber] = set()
         self.listeners: set[Callable[[list[StreamEvent]], None]] = set()
+        # Called with a queue's name when it was paused or resumed.
+        self.queue_listeners: set[Callable[[str], None]] = set()
         self.subscriber_queue = subscriber_queue
         self.batch = batch
         self.reconnects = 0
@@ -224,6 +228,7 @@ class Relay:
         ) as conn:
             # LISTEN before reading the head: nothing committed after it goes unnoticed.
             await conn.execute(f"LISTEN {CHANNEL}")
+            await conn.execute(f"LISTEN {QUEUE_CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
                 cur = await conn.execute(QUERIES["stream_horizon"])
@@ -242,8 +247,9 @@ class Relay:
                 # that may commit without notifying, look again shortly; otherwise check
                 # the connection now and then.
                 timeout = 0.05 if held_back else 30.0
-                async for _ in conn.notifies(timeout=timeout, stop_after=1):
-                    pass
+                async for notify in conn.notifies(timeout=timeout, stop_after=1):
+                    if notify.channel == QUEUE_CHANNEL:
+                        self._queue_changed(notify.payload)
                 if window := self.coalesce_window():
                     # Many streams: let the commits of the next few milliseconds join this
                     # read, so that each stream is written to once for all of them.
@@ -271,6 +277,13 @@ class Relay:
         )
         row = await cur.fetchone()
         return bool(row and row["held_back"])
+
+    def _queue_changed(self, queue: str) -> None:
+        for listener in list(self.queue_listeners):
+            try:
+                listener(queue)
+            except Exception:
+                logger.exception("relay: a queue listener failed")
 
     def coalesce_window(self) -> float:
         """Seconds to wait for more commits before a read: none for a few subscribers, up

@@ -14,34 +14,45 @@ pages and the command line call these functions and nothing else to change a tas
     escalated, done, cancelled ──requeue──▶ pending (strikes reset)
     pending, escalated ──cancel──▶ cancelled
 
-The statements themselves live in ``board/sql/transitions.sql``.
+Work graphs: a task created with ``depends_on`` is pending but blocked (not claimable)
+until every dependency is done; the transition that makes the last one done (complete,
+resolve) records ``unblocked`` for it in the same transaction. Comments are events
+without a change of status. Pausing a queue takes its tasks out of claims.
+
+The statements themselves live in ``board/sql/transitions.sql``. Queue and agent counters
+are kept by statement triggers on the same tables (migration 0008), so every statement
+here keeps them in step without a statement of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
-from django.db import connection
-from django.db.models import JSONField
+from django.db import connection, transaction
+from django.db.models import JSONField, Model
 from psycopg.types.json import Jsonb
 
 from board import conf
 from board.exceptions import (
+    IdempotencyConflict,
     InvalidTransition,
     LeaseLost,
     TaskNotFound,
     translated_database_errors,
 )
-from board.models import Task, TaskStatus
+from board.models import QueueState, Task, TaskEvent, TaskStatus
 from board.sql import QUERIES
 
 Actor = AbstractBaseUser | AnonymousUser | str
+M = TypeVar("M", bound=Model)
 
 _FIELDS = {str(f.column): f for f in Task._meta.concrete_fields}
 
@@ -76,15 +87,22 @@ def _rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _task(row: dict[str, Any]) -> Task:
     """Build a Task from a ``RETURNING *`` row, ignoring any extra columns."""
+    return _instance(Task, _FIELDS, row)
+
+
+_EVENT_FIELDS = {str(f.column): f for f in TaskEvent._meta.concrete_fields}
+
+
+def _instance(model: type[M], fields: dict[str, Any], row: dict[str, Any]) -> M:
     names, values = [], []
-    for column, field in _FIELDS.items():
+    for column, field in fields.items():
         value = row[column]
         # Django leaves jsonb as text for the field to decode, as its query compiler would.
         if isinstance(field, JSONField):
             value = field.from_db_value(value, None, connection)  # type: ignore[arg-type]
         names.append(field.attname)
         values.append(value)
-    return Task.from_db(connection.alias, names, values)
+    return model.from_db(connection.alias, names, values)
 
 
 def _current_status(task_id: int) -> str:
@@ -92,6 +110,15 @@ def _current_status(task_id: int) -> str:
     if not rows:
         raise TaskNotFound(task_id)
     return str(rows[0]["status"])
+
+
+def _lease_lost(task_id: int) -> LeaseLost:
+    rows = _rows("task_status", {"task_id": task_id})
+    if not rows:
+        raise TaskNotFound(task_id)
+    return LeaseLost(
+        task_id, str(rows[0]["status"]), deadline_passed=bool(rows[0]["deadline_passed"])
+    )
 
 
 def _holder_transition(
@@ -108,7 +135,7 @@ def _holder_transition(
         else []
     )
     if not rows:
-        raise LeaseLost(task_id, _current_status(task_id))
+        raise _lease_lost(task_id)
     return _task(rows[0])
 
 
@@ -132,22 +159,81 @@ def create(
     priority: int = 0,
     max_failures: int | None = None,
     run_after: datetime | None = None,
+    depends_on: Sequence[int] = (),
+    parent_id: int | None = None,
+    max_attempt_seconds: int | None = None,
 ) -> Task:
-    """Create a pending task and record its ``created`` event."""
-    rows = _rows(
-        "create",
-        {
-            "actor": _username(actor),
-            "title": title,
-            "description": description,
-            "payload": Jsonb(payload if payload is not None else {}),
-            "queue": queue,
-            "priority": priority,
-            "max_failures": max_failures if max_failures is not None else conf.max_failures(),
-            "run_after": run_after,
-        },
+    """Create a pending task and record its ``created`` event.
+
+    With ``depends_on`` (ids of existing, older tasks) the task stays blocked until they
+    are all done. ``max_attempt_seconds`` defaults to TASKBOARD_MAX_ATTEMPT_SECONDS.
+    """
+    task, _ = create_once(
+        actor=actor,
+        idempotency_key=None,
+        title=title,
+        description=description,
+        payload=payload,
+        queue=queue,
+        priority=priority,
+        max_failures=max_failures,
+        run_after=run_after,
+        depends_on=depends_on,
+        parent_id=parent_id,
+        max_attempt_seconds=max_attempt_seconds,
     )
-    return _task(rows[0])
+    return task
+
+
+def fingerprint(fields: dict[str, Any]) -> str:
+    """Return the SHA-256 of a create's fields, to tell a retry from another request."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> tuple[Task, bool]:
+    """Create a task unless ``actor`` already created one with ``idempotency_key``.
+
+    Return the task and whether this call created it. A key repeated with the same fields
+    returns the task its first use created, as it is now; with other fields it raises
+    IdempotencyConflict. Keys are unique per creator in the database, so two racing
+    requests with one key create one task: the second waits for the first to commit.
+    """
+    fields = {
+        "description": "",
+        "payload": {},
+        "queue": "default",
+        "priority": 0,
+        "max_failures": None,
+        "run_after": None,
+        "parent_id": None,
+        "max_attempt_seconds": None,
+        **fields,
+    }
+    fields["payload"] = fields["payload"] if fields["payload"] is not None else {}
+    if fields["max_failures"] is None:
+        fields["max_failures"] = conf.max_failures()
+    if fields["max_attempt_seconds"] is None:
+        fields["max_attempt_seconds"] = conf.max_attempt_seconds()
+    fields["depends_on"] = sorted(set(fields.get("depends_on") or ()))
+    username = _username(actor)
+    digest = fingerprint(fields) if idempotency_key is not None else None
+    params = {
+        **fields,
+        "actor": username,
+        "payload": Jsonb(fields["payload"]),
+        "idempotency_key": idempotency_key,
+        "idempotency_fingerprint": digest,
+    }
+    with transaction.atomic():
+        rows = _rows("create", params)
+        if rows:
+            return _task(rows[0]), True
+        rows = _rows("created_with_key", {"actor": username, "idempotency_key": idempotency_key})
+    task = _task(rows[0])
+    if task.idempotency_fingerprint != digest:
+        raise IdempotencyConflict(str(idempotency_key), task.pk)
+    return task, False
 
 
 def claim(
@@ -207,10 +293,13 @@ def heartbeat(
 
 
 def complete(*, task_id: int, actor: Actor, lease_token: str, result: Any = None) -> Task:
-    """Mark the holder's task done with ``result``."""
-    return _holder_transition(
-        "complete", task_id=task_id, actor=actor, lease_token=lease_token, result=_json(result)
-    )
+    """Mark the holder's task done with ``result``, and unblock what waited for it."""
+    with transaction.atomic():
+        task = _holder_transition(
+            "complete", task_id=task_id, actor=actor, lease_token=lease_token, result=_json(result)
+        )
+        _rows("unblock_dependents", {"task_id": task_id})
+    return task
 
 
 def fail(
@@ -246,23 +335,64 @@ CANCEL_FROM = (TaskStatus.PENDING, TaskStatus.ESCALATED)
 
 def requeue(*, task_id: int, actor: Actor, note: str | None = None) -> Task:
     """Put an escalated, done or cancelled task back to pending with its strikes reset."""
-    return _human_transition(
-        "requeue", task_id=task_id, actor=actor, allowed=REQUEUE_FROM, note=note
-    )
+    with transaction.atomic():
+        rows = _rows("requeue", {"task_id": task_id, "actor": _username(actor), "note": note})
+        if not rows:
+            raise InvalidTransition(task_id, _current_status(task_id), "requeue", REQUEUE_FROM)
+        if rows[0]["previous_status"] == TaskStatus.DONE:
+            # Open again: the tasks that depend on it wait for it again.
+            _rows("reblock_dependents", {"task_id": task_id})
+    return _task(rows[0])
 
 
 def resolve(*, task_id: int, actor: Actor, note: str | None = None, result: Any = None) -> Task:
     """Settle an escalated task as done by hand, with a note and an optional result."""
-    return _human_transition(
-        "resolve",
-        task_id=task_id,
-        actor=actor,
-        allowed=RESOLVE_FROM,
-        note=note,
-        result=_json(result),
-    )
+    with transaction.atomic():
+        task = _human_transition(
+            "resolve",
+            task_id=task_id,
+            actor=actor,
+            allowed=RESOLVE_FROM,
+            note=note,
+            result=_json(result),
+        )
+        _rows("unblock_dependents", {"task_id": task_id})
+    return task
 
 
 def cancel(*, task_id: int, actor: Actor, note: str | None = None) -> Task:
     """Withdraw a pending or escalated task."""
     return _human_transition("cancel", task_id=task_id, actor=actor, allowed=CANCEL_FROM, note=note)
+
+
+def comment(*, task_id: int, actor: Actor, body: str) -> TaskEvent:
+    """Add a ``commented`` event to a task's history, in any status."""
+    rows = _rows("comment", {"task_id": task_id, "actor": _username(actor), "body": body})
+    if not rows:
+        raise TaskNotFound(task_id)
+    return _instance(TaskEvent, _EVENT_FIELDS, rows[0])
+
+
+def _set_paused(queue: str, actor: Actor, note: str | None, paused: bool) -> QueueState:
+    rows = _rows(
+        "set_queue_paused",
+        {"queue": queue, "actor": _username(actor), "note": note, "paused": paused},
+    )
+    row = rows[0]
+    return QueueState(
+        name=row["name"],
+        paused=row["paused"],
+        changed_at=row["changed_at"],
+        changed_by=row["changed_by"],
+        note=row["note"],
+    )
+
+
+def pause_queue(*, queue: str, actor: Actor, note: str | None = None) -> QueueState:
+    """Stop claims from handing out ``queue``'s tasks (leases already held run on)."""
+    return _set_paused(queue, actor, note, True)
+
+
+def resume_queue(*, queue: str, actor: Actor, note: str | None = None) -> QueueState:
+    """Let claims take ``queue``'s tasks again, and wake the claims waiting for them."""
+    return _set_paused(queue, actor, note, False)

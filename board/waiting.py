@@ -10,7 +10,8 @@ as an ordinary, short request (authentication, validation, the claim statement):
 2. Otherwise the request waits in this process's :class:`WaitingRoom` until it is woken or
    its time is up, then tries again. It is woken by the relay (board.relay), which reads
    every committed event after its NOTIFY: an event that leaves a task pending (created,
-   released, failed, requeued, expired) wakes the longest-waiting claim for that queue.
+   released, failed, requeued, expired, unblocked) wakes the longest-waiting claim for that
+   queue. A queue that is resumed (its own notification) wakes every claim waiting on it.
    One new task wakes one waiter, the others keep waiting; a waiter that finds the task
    gone (another agent was faster) waits again at its place in line.
 3. Work can also become claimable without an event: a ``run_after`` coming due, or a
@@ -62,7 +63,7 @@ HINT_HEADER = b"taskboard-next-claimable"
 QUEUES_HEADER = b"taskboard-claim-queues"
 INTERNAL_HEADERS = {HINT_HEADER, QUEUES_HEADER}
 # Events after which the task is pending (and so possibly claimable) again.
-RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired"}
+RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired", "unblocked"}
 LEASE_EVENTS = {"claimed", "heartbeat"}
 
 _sequence = itertools.count()
@@ -86,6 +87,7 @@ class WaitingRoom:
         self.waiters: list[Waiter] = []
         self._timers: dict[tuple[int, float], asyncio.TimerHandle] = {}
         relay.listeners.add(self.on_events)
+        relay.queue_listeners.add(self.wake_all)
 
     def enter(self, queues: frozenset[str] | None) -> Waiter:
         waiter = Waiter(queues)
@@ -128,6 +130,13 @@ class WaitingRoom:
                 waiter.woken_for = queue
                 waiter.woken.set()
                 return
+
+    def wake_all(self, queue: str) -> None:
+        """Wake every claim waiting for ``queue`` (it was resumed): each tries again."""
+        for waiter in self.waiters:
+            if waiter.wants(queue) and not waiter.woken.is_set():
+                waiter.woken_for = queue
+                waiter.woken.set()
 
     def on_events(self, events: list[StreamEvent]) -> None:
         """Relay listener: wake waiters for work that became (or will become) claimable."""

@@ -278,6 +278,11 @@ TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int("TASKBOARD_AUTH_FAILURE_WINDOW_S
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)
 TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3)
+# How long one attempt may hold a task that sets no max_attempt_seconds, however often its
+# holder heartbeats (1..604800 seconds; unset or 0: no limit).
+TASKBOARD_MAX_ATTEMPT_SECONDS = env_int("TASKBOARD_MAX_ATTEMPT_SECONDS", 0) or None
+if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_SECONDS <= 604800:
+    raise ImproperlyConfigured("TASKBOARD_MAX_ATTEMPT_SECONDS must be 1..604800 seconds, or unset.")
 
 LOGGING = {
     "version": 1,

@@ -43,6 +43,14 @@ TASK_FIELDS = {
     "created_by",
     "created_at",
     "updated_at",
+    # Additions to v1: work graphs and idempotent create.
+    "depends_on",
+    "blocked",
+    "parent_id",
+    "progress",
+    "max_attempt_seconds",
+    "attempt_started_at",
+    "idempotency_key",
 }
 EVENT_FIELDS = {"id", "task_id", "type", "status", "actor", "payload", "created_at"}
 
@@ -217,6 +225,13 @@ def test_it_creates_a_task_with_the_contract_defaults(agent_api: APIClient) -> N
         "result": None,
         "last_error": None,
         "created_by": "agent-smith",
+        "depends_on": [],
+        "blocked": False,
+        "parent_id": None,
+        "progress": None,
+        "max_attempt_seconds": None,
+        "attempt_started_at": None,
+        "idempotency_key": None,
     }
     assert abs(parse_time(task["created_at"]) - timezone.now()) < timedelta(minutes=5)
     parse_time(task["updated_at"])
@@ -400,7 +415,7 @@ def test_an_unexpected_error_in_a_view_is_a_json_500(
     def broken(**kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(transitions, "create", broken)
+    monkeypatch.setattr(transitions, "create_once", broken)
     client = APIClient(raise_request_exception=False)
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory(user=agent).key}")
 

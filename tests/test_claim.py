@@ -189,9 +189,11 @@ def test_an_expired_lease_is_reclaimed_and_its_expiry_recorded(
     assert expired.payload["previous_holder"] == "agent-smith"
     assert expired.payload["failure_count"] == 1
     assert expired.payload["max_failures"] == 3
+    assert expired.payload["reason"] == "lease_expired"
     assert set(expired.payload) == {
         "previous_holder",
         "leased_until",
+        "reason",
         "failure_count",
         "max_failures",
     }

@@ -253,3 +253,41 @@ def test_two_hundred_waiting_claims_hold_no_database_connection(
     claimed = sorted(t["id"] for r in responses for t in r.json()["tasks"])
     assert claimed == sorted(tasks), "each new task went to exactly one waiter"
     assert all(r.status_code == 200 for r in responses)
+
+
+def test_a_waiting_claim_is_woken_when_the_last_dependency_completes(
+    server: LiveServer, waiter_headers: dict[str, str], agent: Any
+) -> None:
+    first = transitions.create(actor=agent, title="first", queue="prep")
+    [held] = transitions.claim(actor=agent, queues=["prep"], lease_seconds=60)
+    then = transitions.create(actor=agent, title="then", queue="work", depends_on=[first.id])
+    claim = BackgroundClaim(server, waiter_headers, wait=10, queues=["work"])
+    settle()
+    assert not claim.done()
+
+    completed_at = time.monotonic()
+    transitions.complete(task_id=first.id, actor=agent, lease_token=held.lease_token)
+
+    response, answered_at = claim.result()
+    assert [t["id"] for t in response.json()["tasks"]] == [then.id]
+    assert answered_at - completed_at < 1.0
+
+
+def test_a_paused_queue_holds_waiting_claims_and_its_resume_wakes_them(
+    server: LiveServer, waiter_headers: dict[str, str], agent: Any, staff: Any
+) -> None:
+    transitions.pause_queue(queue="work", actor=staff, note="maintenance")
+    claims = [BackgroundClaim(server, waiter_headers, wait=15, queues=["work"]) for _ in range(2)]
+    settle()
+    tasks = [transitions.create(actor=agent, title=f"t{i}", queue="work") for i in range(2)]
+    # The new tasks wake the claims, which find the queue paused and wait on.
+    time.sleep(1.0)
+    assert not any(claim.done() for claim in claims)
+
+    resumed_at = time.monotonic()
+    transitions.resume_queue(queue="work", actor=staff)
+
+    answers = [claim.result() for claim in claims]
+    claimed = sorted(t["id"] for response, _ in answers for t in response.json()["tasks"])
+    assert claimed == sorted(task.id for task in tasks)
+    assert all(answered_at - resumed_at < 1.5 for _, answered_at in answers)

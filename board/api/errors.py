@@ -15,6 +15,7 @@ from rest_framework.response import Response
 from board.exceptions import (
     BoardError,
     ForbiddenQueue,
+    IdempotencyConflict,
     InvalidTransition,
     LeaseLost,
     TaskNotFound,
@@ -76,6 +77,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, LeaseLost | InvalidTransition):
         return Response(
             {"error": exc.code, "detail": str(exc), "status": exc.status},
+            status=status.HTTP_409_CONFLICT,
+        )
+    if isinstance(exc, IdempotencyConflict):
+        return Response(
+            {"error": exc.code, "detail": str(exc), "task_id": exc.task_id},
             status=status.HTTP_409_CONFLICT,
         )
     if isinstance(exc, ForbiddenQueue):

@@ -19,3 +19,13 @@ class MayTriage(BasePermission):
     def has_permission(self, request: Request, view: Any) -> bool:
         user = request.user
         return bool(user.is_authenticated and user.is_staff and user.has_perm(TRIAGE_PERMISSION))
+
+
+class IsStaff(BasePermission):
+    """Staff users: the humans who may pause and resume queues."""
+
+    message = "Only staff may pause or resume a queue."
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        user = request.user
+        return bool(user.is_authenticated and user.is_staff)

@@ -11,7 +11,15 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from board import conf
-from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
+from board.models import (
+    MAX_ATTEMPT_SECONDS,
+    MAX_DEPENDENCIES,
+    QUEUE_PATTERN,
+    EventType,
+    Task,
+    TaskEvent,
+    TaskStatus,
+)
 
 # The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
 # ``re`` reads the same way) so that the OpenAPI document states exactly what is refused.
@@ -215,6 +223,10 @@ def queue_field(**kwargs: Any) -> StrictRegexField:
     )
 
 
+def task_id_field(**kwargs: Any) -> StrictIntegerField:
+    return StrictIntegerField(min_value=1, max_value=2**63 - 1, **kwargs)
+
+
 def lease_token_field() -> StrictCharField:
     return StrictCharField(max_length=100, help_text="The lease_token from the claim response.")
 
@@ -232,6 +244,31 @@ class TaskSerializer(serializers.ModelSerializer[Task]):
     lease_expired = serializers.SerializerMethodField()
     payload = JSONObjectField()
     result = AnyJSONField()
+    depends_on = serializers.ListField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="The tasks this one waits for (set on create).",
+    )
+    blocked = serializers.BooleanField(
+        read_only=True, help_text="Pending, with a dependency that is not done: not claimable."
+    )
+    parent_id = serializers.IntegerField(
+        allow_null=True, read_only=True, help_text="The task this one is a subtask of."
+    )
+    progress = AnyJSONField(
+        help_text="The latest progress a heartbeat reported; kept across attempts."
+    )
+    max_attempt_seconds = serializers.IntegerField(
+        allow_null=True,
+        read_only=True,
+        help_text="How long one attempt may hold the task, however often it heartbeats.",
+    )
+    attempt_started_at = serializers.DateTimeField(
+        allow_null=True, read_only=True, help_text="When the current holder claimed it."
+    )
+    idempotency_key = serializers.CharField(
+        allow_null=True, read_only=True, help_text="The Idempotency-Key it was created with."
+    )
 
     class Meta:
         model = Task
@@ -254,6 +291,13 @@ class TaskSerializer(serializers.ModelSerializer[Task]):
             "created_by",
             "created_at",
             "updated_at",
+            "depends_on",
+            "blocked",
+            "parent_id",
+            "progress",
+            "max_attempt_seconds",
+            "attempt_started_at",
+            "idempotency_key",
         ]
         read_only_fields = fields
 
@@ -324,6 +368,73 @@ class TaskCreateSerializer(serializers.Serializer[Any]):
     priority = StrictIntegerField(required=False, default=0, min_value=-1000, max_value=1000)
     max_failures = StrictIntegerField(required=False, min_value=1, max_value=100)
     run_after = TimeField(required=False, allow_null=True, default=None)
+    depends_on = serializers.ListField(
+        child=task_id_field(),
+        required=False,
+        default=list,
+        max_length=MAX_DEPENDENCIES,
+        help_text=(
+            "Existing tasks that must be done before this one can be claimed (at most "
+            f"{MAX_DEPENDENCIES}, no duplicates)."
+        ),
+    )
+    parent_id = task_id_field(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="An existing task that this one is a subtask of.",
+    )
+    max_attempt_seconds = StrictIntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=1,
+        max_value=MAX_ATTEMPT_SECONDS,
+        help_text=(
+            "How long one attempt may hold the task, however often it heartbeats "
+            "(default: TASKBOARD_MAX_ATTEMPT_SECONDS, unset = no limit)."
+        ),
+    )
+
+    def validate_depends_on(self, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("List each task once.")
+        return value
+
+
+class CommentSerializer(serializers.Serializer[Any]):
+    body = StrictCharField(min_length=1, max_length=10000, visible=True)
+
+
+class QueueCountsSerializer(serializers.Serializer[Any]):
+    pending = serializers.IntegerField(help_text="Pending and not blocked (due or not).")
+    blocked = serializers.IntegerField(help_text="Pending, waiting for a dependency.")
+    in_progress = serializers.IntegerField()
+    escalated = serializers.IntegerField()
+    done = serializers.IntegerField()
+    cancelled = serializers.IntegerField()
+
+
+class QueueSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField()
+    paused = serializers.BooleanField(help_text="Its tasks are not handed out by claims.")
+    counts = QueueCountsSerializer()
+    oldest_pending_at = serializers.DateTimeField(
+        allow_null=True, help_text="When its oldest pending, unblocked task was created."
+    )
+
+
+class AgentSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField()
+    holding = serializers.ListField(
+        child=serializers.IntegerField(), help_text="The tasks it holds a lease on now."
+    )
+    last_seen_at = serializers.DateTimeField(
+        allow_null=True, help_text="Its last claim, heartbeat, complete, fail, release or escalate."
+    )
+    completed_24h = serializers.IntegerField(help_text="Completes in the last 24 hours.")
+    failed_24h = serializers.IntegerField(help_text="Fails in the last 24 hours.")
+    expired_24h = serializers.IntegerField(help_text="Leases lost by expiry in the last 24 hours.")
 
 
 class ClaimSerializer(serializers.Serializer[Any]):
@@ -398,6 +509,22 @@ class TaskFilterSerializer(serializers.Serializer[Any]):
     status = serializers.ChoiceField(choices=TaskStatus.choices, required=False)
     queue = queue_field(required=False)
     leased_by = StrictCharField(required=False, max_length=150)
+    # DRF's metaclass takes declared fields off the class, so this does not hide the
+    # serializer's own ``parent`` attribute at run time; mypy sees only the class body.
+    parent = QueryIntegerField(  # type: ignore[assignment]
+        required=False, min_value=1, max_value=2**63 - 1, help_text="Subtasks of this task."
+    )
+    blocked = serializers.ChoiceField(
+        choices=["true", "false"],
+        required=False,
+        help_text="true: pending tasks waiting for a dependency; false: all the others.",
+    )
+    depends_on = QueryIntegerField(
+        required=False,
+        min_value=1,
+        max_value=2**63 - 1,
+        help_text="Tasks that depend on this task.",
+    )
 
 
 class EventFilterSerializer(serializers.Serializer[Any]):

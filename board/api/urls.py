@@ -4,13 +4,15 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import SimpleRouter
 
-from board.api.views import EventViewSet, TaskViewSet
+from board.api.views import AgentViewSet, EventViewSet, QueueViewSet, TaskViewSet
 
 app_name = "api"
 
 router = SimpleRouter()
 router.register("tasks", TaskViewSet, basename="task")
 router.register("events", EventViewSet, basename="event")
+router.register("queues", QueueViewSet, basename="queue")
+router.register("agents", AgentViewSet, basename="agent")
 
 urlpatterns = [
     path("", include(router.urls)),

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, cast
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
 from rest_framework import exceptions, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 
+from board import queues as glance
 from board import transitions, waiting
 from board.access import QueueAccess, queue_access
 from board.api import serializers as s
-from board.api.permissions import MayTriage
-from board.models import Task, TaskEvent
+from board.api.permissions import IsStaff, MayTriage
+from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskQuerySet
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+IDEMPOTENCY_KEY_PATTERN = "^[!-~]{1,255}$"
+IDEMPOTENCY_KEY = re.compile(IDEMPOTENCY_KEY_PATTERN)
 
 ERRORS_400 = {400: OpenApiResponse(s.ValidationErrorSerializer, description="Invalid input.")}
 ERRORS_404 = {404: OpenApiResponse(s.ErrorSerializer, description="No such task.")}
@@ -119,8 +131,38 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
     retrieve=extend_schema(summary="Read a task", responses={200: s.TaskSerializer, **ERRORS_404}),
     create=extend_schema(
         summary="Create a task",
+        description=(
+            "With an `Idempotency-Key` header, a repeat of the key by the same user creates "
+            "nothing: the same body answers 200 with the task the key created, as it is now; "
+            "another body answers 409 `idempotency_conflict`."
+        ),
+        parameters=[
+            OpenApiParameter(
+                IDEMPOTENCY_HEADER,
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                required=False,
+                pattern=IDEMPOTENCY_KEY_PATTERN,
+                description=(
+                    "1 to 255 visible ASCII characters, unique per user: a retry with the "
+                    "same key and body creates nothing."
+                ),
+            )
+        ],
         request=s.TaskCreateSerializer,
-        responses={201: s.TaskSerializer, **ERRORS_400, **ERRORS_403_QUEUE},
+        responses={
+            201: s.TaskSerializer,
+            200: OpenApiResponse(
+                s.TaskSerializer,
+                description="The key was used before with this body: the task it created.",
+            ),
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            409: OpenApiResponse(
+                s.ErrorSerializer,
+                description="idempotency_conflict: the key was used before with another body.",
+            ),
+        },
     ),
 )
 class TaskViewSet(BoardViewSet):
@@ -141,6 +183,12 @@ class TaskViewSet(BoardViewSet):
             tasks = tasks.filter(queue=filters["queue"])
         if "leased_by" in filters:
             tasks = tasks.filter(leased_by_id=filters["leased_by"])
+        if "parent" in filters:
+            tasks = tasks.filter(parent_id=filters["parent"])
+        if "blocked" in filters:
+            tasks = cast(TaskQuerySet, tasks).blocked(filters["blocked"] == "true")
+        if "depends_on" in filters:
+            tasks = tasks.filter(dependencies__depends_on_id=filters["depends_on"])
         rows, next_url = keyset_page(request, tasks, limit=page["limit"], before=page.get("before"))
         return Response({"results": s.render_many(s.TaskSerializer, rows), "next": next_url})
 
@@ -148,10 +196,50 @@ class TaskViewSet(BoardViewSet):
         return Response(s.render(s.TaskSerializer, self.get_object()))
 
     def create(self, request: Request) -> Response:
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+            raise exceptions.ValidationError(
+                {IDEMPOTENCY_HEADER: ["Use 1 to 255 visible ASCII characters (no spaces)."]}
+            )
         data = self.validated(s.TaskCreateSerializer)
         self.access.check(data.get("queue", "default"))
-        task = transitions.create(actor=request.user, **data)
-        return Response(s.render(s.TaskSerializer, task), status=status.HTTP_201_CREATED)
+        self._check_tasks_exist(data)
+        task, created = transitions.create_once(actor=request.user, idempotency_key=key, **data)
+        return Response(
+            s.render(s.TaskSerializer, task),
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+    def _check_tasks_exist(self, data: dict[str, Any]) -> None:
+        """Refuse dependencies and parents that are not tasks the caller can see."""
+        wanted = {*data["depends_on"], *([data["parent_id"]] if data["parent_id"] else [])}
+        if not wanted:
+            return
+        found = set(self.get_queryset().filter(id__in=wanted).values_list("id", flat=True))
+        errors = {}
+        if missing := sorted(set(data["depends_on"]) - found):
+            errors["depends_on"] = [f"No such task: {', '.join(map(str, missing))}."]
+        if data["parent_id"] and data["parent_id"] not in found:
+            errors["parent_id"] = [f"No such task: {data['parent_id']}."]
+        if errors:
+            raise exceptions.ValidationError(errors)
+
+    @extend_schema(
+        summary="Comment on a task",
+        description=(
+            'Adds a `commented` event (payload `{"body": ...}`) to the task\'s history, in '
+            "any status. It appears on the stream like every other event."
+        ),
+        request=s.CommentSerializer,
+        responses={201: s.EventSerializer, **ERRORS_400, **ERRORS_403_QUEUE, **ERRORS_404},
+    )
+    @action(detail=True, methods=["post"])
+    def comments(self, request: Request, pk: str) -> Response:
+        self.access.check_task(int(pk))
+        event = transitions.comment(
+            task_id=int(pk), actor=request.user, **self.validated(s.CommentSerializer)
+        )
+        return Response(s.render(s.EventSerializer, event), status=status.HTTP_201_CREATED)
 
     @extend_schema(
         summary="Claim tasks",
@@ -382,3 +470,78 @@ class EventViewSet(BoardViewSet):
             events = events.filter(type=params["type"])
         rows, next_url = keyset_page(request, events, after=params["after"], limit=params["limit"])
         return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
+
+
+ERRORS_403_STAFF = {
+    403: OpenApiResponse(
+        s.ErrorSerializer, description="permission_denied: staff only; " + FORBIDDEN_QUEUE
+    )
+}
+
+
+class QueueViewSet(BoardViewSet):
+    # Queues at a glance, from counters kept by the transitions; staff pause and resume.
+
+    lookup_field = "name"
+    lookup_value_regex = QUEUE_PATTERN.strip("^").removesuffix(r"\Z")
+
+    @extend_schema(
+        operation_id="queues_list",
+        summary="Every queue that has tasks, with its counts",
+        description=(
+            "Read from counters that every transition keeps in step, never a scan of the "
+            "tasks: as fast with millions of finished tasks as with ten."
+        ),
+        responses={200: s.QueueSerializer(many=True)},
+    )
+    def list(self, request: Request) -> Response:
+        queues = glance.queue_list(self.access)
+        return Response(s.render_many(s.QueueSerializer, queues))
+
+    def _set_paused(self, name: str, paused: bool) -> Response:
+        self.access.check(name)
+        note = self.validated(s.NoteSerializer)["note"]
+        change = transitions.pause_queue if paused else transitions.resume_queue
+        change(queue=name, actor=self.request.user, note=note)
+        return Response(s.render(s.QueueSerializer, glance.queue_detail(name, self.access)))
+
+    @extend_schema(
+        summary="Pause a queue (staff)",
+        description=(
+            "Claims stop handing out the queue's tasks; leases already held run on. "
+            "Recorded with actor, time and note."
+        ),
+        request=s.NoteSerializer,
+        responses={200: s.QueueSerializer, **ERRORS_400, **ERRORS_403_STAFF},
+    )
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def pause(self, request: Request, name: str) -> Response:
+        return self._set_paused(name, True)
+
+    @extend_schema(
+        summary="Resume a queue (staff)",
+        description="Claims take the queue's tasks again; claims waiting on it wake at once.",
+        request=s.NoteSerializer,
+        responses={200: s.QueueSerializer, **ERRORS_400, **ERRORS_403_STAFF},
+    )
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def resume(self, request: Request, name: str) -> Response:
+        return self._set_paused(name, False)
+
+
+class AgentViewSet(BoardViewSet):
+    # Who holds what, and how each agent's leases ended lately.
+
+    @extend_schema(
+        operation_id="agents_list",
+        summary="Every user that has claimed a task",
+        description=(
+            "The tasks each holds now, when it was last seen (its last claim, heartbeat, "
+            "complete, fail, release or escalate), and how its leases ended in the last "
+            "24 hours (counted by the hour)."
+        ),
+        responses={200: s.AgentSerializer(many=True)},
+    )
+    def list(self, request: Request) -> Response:
+        agents = glance.agent_list(self.access)
+        return Response(s.render_many(s.AgentSerializer, agents))

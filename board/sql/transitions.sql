@@ -8,25 +8,57 @@
 -- now() is the transaction's start, the same instant in every guard of one transition.
 
 -- name: create
--- Insert a pending task and its "created" event.
-WITH task AS (
+-- Insert a pending task, its dependency edges and its "created" event.
+--
+-- The dependencies are locked FOR SHARE, so a dependency cannot complete between the count
+-- of those not done and the commit of the edges: a complete that runs first has committed
+-- when the lock is granted (and the row read here is its done version); one that runs
+-- after waits for this commit, and its unblock_dependents sees the new edges.
+-- With an idempotency key, a repeat of the key by the same creator inserts nothing (and
+-- returns no row); board.transitions then reads the task the key created.
+WITH deps AS (
+    SELECT id, status FROM tasks
+    WHERE id = ANY(%(depends_on)s::bigint[])
+    FOR SHARE
+), task AS (
     INSERT INTO tasks (
         title, description, payload, queue, priority, max_failures, run_after,
-        status, failure_count, created_by, created_at, updated_at
+        status, failure_count, created_by, created_at, updated_at,
+        depends_on, open_dependencies, parent_id, max_attempt_seconds,
+        idempotency_key, idempotency_fingerprint
     )
     VALUES (
         %(title)s, %(description)s, %(payload)s, %(queue)s, %(priority)s, %(max_failures)s,
-        %(run_after)s, 'pending', 0, %(actor)s, now(), now()
+        %(run_after)s, 'pending', 0, %(actor)s, now(), now(),
+        %(depends_on)s::bigint[], (SELECT count(*) FROM deps WHERE status <> 'done'),
+        %(parent_id)s, %(max_attempt_seconds)s, %(idempotency_key)s,
+        %(idempotency_fingerprint)s
     )
+    ON CONFLICT (created_by, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING *
+), edges AS (
+    INSERT INTO task_dependencies (task_id, depends_on_id)
+    SELECT task.id, deps.id FROM task, deps
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
     SELECT id, 'created', status, %(actor)s,
-           jsonb_build_object('title', title, 'queue', queue, 'priority', priority),
+           jsonb_build_object('title', title, 'queue', queue, 'priority', priority)
+               || CASE WHEN cardinality(depends_on) > 0
+                       THEN jsonb_build_object('depends_on', to_jsonb(depends_on),
+                                               'blocked', open_dependencies > 0)
+                       ELSE '{}'::jsonb END
+               || CASE WHEN parent_id IS NOT NULL
+                       THEN jsonb_build_object('parent_id', parent_id)
+                       ELSE '{}'::jsonb END,
            now()
     FROM task
 )
 SELECT * FROM task;
+
+-- name: created_with_key
+-- The task that an earlier create by the same user made with this idempotency key.
+SELECT * FROM tasks
+WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 
 -- name: claim
 -- Hand out up to %(limit)s claimable tasks to %(actor)s, recording expired leases on the way.
@@ -44,12 +76,21 @@ SELECT * FROM task;
 -- that competition go back to pending, their expiry recorded.
 -- %(all_queues)s is a literal true or false (client-side binding), so the planner drops
 -- the queue condition entirely when it is true.
+-- Blocked tasks (open_dependencies > 0) are not in the pending indexes at all; tasks of a
+-- paused queue are filtered out (the list of paused queues is read once per statement).
+-- An expired lease whose attempt deadline had passed (a heartbeat never extends a lease
+-- beyond it) is recorded with reason "attempt_deadline", any other with "lease_expired".
 WITH expired AS (
-    SELECT id, priority, created_at, failure_count, max_failures, leased_by, leased_until
+    SELECT id, priority, created_at, failure_count, max_failures, leased_by, leased_until,
+           CASE WHEN max_attempt_seconds IS NOT NULL
+                     AND leased_until >= attempt_started_at
+                                         + make_interval(secs => max_attempt_seconds)
+                THEN 'attempt_deadline' ELSE 'lease_expired' END AS reason
     FROM tasks
     WHERE status = 'in_progress'
       AND leased_until <= now()
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND queue <> ALL(ARRAY(SELECT name FROM queue_states WHERE paused))
     -- In claim order, so a higher-priority expired task is never passed over; expired
     -- leases are few, and the index range scan finds them all before this sort.
     ORDER BY priority DESC, created_at, id
@@ -59,18 +100,20 @@ WITH expired AS (
     SELECT id, priority, created_at
     FROM tasks
     WHERE status = 'pending'
+      AND open_dependencies = 0
       AND (run_after IS NULL OR run_after <= now())
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND queue <> ALL(ARRAY(SELECT name FROM queue_states WHERE paused))
     ORDER BY priority DESC, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), candidates AS (
     SELECT id, priority, created_at, true AS was_expired,
            failure_count + 1 >= max_failures AS escalates,
-           leased_by AS previous_holder, leased_until AS previous_until
+           leased_by AS previous_holder, leased_until AS previous_until, reason
     FROM expired
     UNION ALL
-    SELECT id, priority, created_at, false, false, NULL, NULL
+    SELECT id, priority, created_at, false, false, NULL, NULL, NULL
     FROM pending
 ), chosen AS (
     SELECT id FROM candidates
@@ -85,17 +128,23 @@ WITH expired AS (
             ELSE 'pending' END,
         failure_count = t.failure_count + CASE WHEN c.was_expired THEN 1 ELSE 0 END,
         last_error = CASE
+            WHEN c.reason = 'attempt_deadline'
+                THEN 'attempt deadline passed (held by ' || c.previous_holder || ')'
             WHEN c.was_expired THEN 'lease expired (held by ' || c.previous_holder || ')'
             ELSE t.last_error END,
         leased_by = CASE WHEN t.id IN (SELECT id FROM chosen) THEN %(actor)s END,
         lease_token = CASE WHEN t.id IN (SELECT id FROM chosen) THEN gen_random_uuid() END,
+        -- Never past the attempt deadline, which starts now.
         leased_until = CASE WHEN t.id IN (SELECT id FROM chosen)
-            THEN now() + make_interval(secs => %(lease_seconds)s) END,
+            THEN now() + make_interval(
+                secs => LEAST(%(lease_seconds)s, COALESCE(t.max_attempt_seconds,
+                                                          %(lease_seconds)s))) END,
         lease_seconds = CASE WHEN t.id IN (SELECT id FROM chosen) THEN %(lease_seconds)s END,
+        attempt_started_at = CASE WHEN t.id IN (SELECT id FROM chosen) THEN now() END,
         updated_at = now()
     FROM candidates c
     WHERE t.id = c.id AND (c.was_expired OR t.id IN (SELECT id FROM chosen))
-    RETURNING t.*, c.was_expired, c.escalates, c.previous_holder, c.previous_until,
+    RETURNING t.*, c.was_expired, c.escalates, c.previous_holder, c.previous_until, c.reason,
               t.status = 'in_progress' AS claimed
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
@@ -107,6 +156,7 @@ WITH expired AS (
                jsonb_build_object(
                    'previous_holder', previous_holder,
                    'leased_until', previous_until,
+                   'reason', reason,
                    'failure_count', failure_count,
                    'max_failures', max_failures
                ) AS payload
@@ -114,8 +164,11 @@ WITH expired AS (
         UNION ALL
         SELECT id, priority, created_at, 2, 'escalated', 'escalated', 'system',
                jsonb_build_object(
-                   'reason', 'lease expired ' || failure_count || ' of '
-                             || max_failures || ' times',
+                   'reason', CASE WHEN reason = 'attempt_deadline'
+                                  THEN 'attempt deadline passed'
+                                  ELSE 'lease expired' END
+                             || ' ' || failure_count || ' of ' || max_failures
+                             || ' times',
                    'failure_count', failure_count
                )
         FROM updated WHERE escalates
@@ -125,7 +178,11 @@ WITH expired AS (
                    'lease_until', leased_until,
                    'lease_seconds', lease_seconds,
                    'failure_count', failure_count
-               )
+               ) || CASE WHEN max_attempt_seconds IS NOT NULL
+                         THEN jsonb_build_object(
+                             'attempt_deadline',
+                             attempt_started_at + make_interval(secs => max_attempt_seconds))
+                         ELSE '{}'::jsonb END
         FROM updated WHERE claimed
     ) e
     ORDER BY priority DESC, created_at, task_id, step
@@ -134,11 +191,15 @@ SELECT * FROM updated
 ORDER BY priority DESC, created_at, id;
 
 -- name: heartbeat
--- Push the holder's lease forward by lease_seconds (default: the length last asked for).
+-- Push the holder's lease forward by lease_seconds (default: the length last asked for),
+-- never past the attempt deadline, and keep the progress it reports on the task.
 WITH task AS (
     UPDATE tasks SET
         lease_seconds = COALESCE(%(lease_seconds)s, lease_seconds),
-        leased_until = now() + make_interval(secs => COALESCE(%(lease_seconds)s, lease_seconds)),
+        leased_until = LEAST(
+            now() + make_interval(secs => COALESCE(%(lease_seconds)s, lease_seconds)),
+            attempt_started_at + make_interval(secs => max_attempt_seconds)),
+        progress = COALESCE(%(progress)s::jsonb, progress),
         updated_at = now()
     WHERE id = %(task_id)s
       AND status = 'in_progress'
@@ -164,6 +225,7 @@ WITH task AS (
     UPDATE tasks SET
         status = 'done', result = %(result)s,
         leased_by = NULL, lease_token = NULL, leased_until = NULL, lease_seconds = NULL,
+        attempt_started_at = NULL,
         updated_at = now()
     WHERE id = %(task_id)s
       AND status = 'in_progress'
@@ -191,6 +253,7 @@ WITH task AS (
             ELSE run_after END,
         last_error = %(error)s,
         leased_by = NULL, lease_token = NULL, leased_until = NULL, lease_seconds = NULL,
+        attempt_started_at = NULL,
         updated_at = now()
     WHERE id = %(task_id)s
       AND status = 'in_progress'
@@ -232,6 +295,7 @@ WITH task AS (
     UPDATE tasks SET
         status = 'pending',
         leased_by = NULL, lease_token = NULL, leased_until = NULL, lease_seconds = NULL,
+        attempt_started_at = NULL,
         updated_at = now()
     WHERE id = %(task_id)s
       AND status = 'in_progress'
@@ -252,6 +316,7 @@ WITH task AS (
     UPDATE tasks SET
         status = 'escalated', last_error = %(reason)s,
         leased_by = NULL, lease_token = NULL, leased_until = NULL, lease_seconds = NULL,
+        attempt_started_at = NULL,
         updated_at = now()
     WHERE id = %(task_id)s
       AND status = 'in_progress'
@@ -276,7 +341,7 @@ WITH previous AS (
 ), task AS (
     UPDATE tasks t SET
         status = 'pending', failure_count = 0, run_after = NULL, result = NULL,
-        updated_at = now()
+        progress = NULL, updated_at = now()
     FROM previous p
     WHERE t.id = p.id
     RETURNING t.*, p.status AS previous_status
@@ -329,6 +394,67 @@ WITH previous AS (
 )
 SELECT * FROM task;
 
+-- name: unblock_dependents
+-- After a task became done (complete, resolve): one open dependency fewer for each task
+-- that depends on it, and an "unblocked" event for each pending one that has none left.
+-- A statement of its own in the same transaction, after the one that made the task done:
+-- its snapshot sees the edges of a create that waited for that statement's lock.
+WITH dependents AS (
+    UPDATE tasks t SET open_dependencies = t.open_dependencies - 1, updated_at = now()
+    FROM task_dependencies d
+    WHERE d.depends_on_id = %(task_id)s AND t.id = d.task_id
+    RETURNING t.id, t.status, t.open_dependencies
+), event AS (
+    INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
+    SELECT id, 'unblocked', status, 'system', jsonb_build_object('after', %(task_id)s::bigint),
+           now()
+    FROM dependents
+    WHERE open_dependencies = 0 AND status = 'pending'
+    ORDER BY id
+)
+SELECT id FROM dependents WHERE open_dependencies = 0 AND status = 'pending';
+
+-- name: reblock_dependents
+-- A done task was requeued: it is open again for every task that depends on it.
+UPDATE tasks t SET open_dependencies = t.open_dependencies + 1, updated_at = now()
+FROM task_dependencies d
+WHERE d.depends_on_id = %(task_id)s AND t.id = d.task_id
+RETURNING t.id;
+
+-- name: comment
+-- Add a comment to a task's history, with the task's status at that point. The task is
+-- locked (FOR SHARE) so that no transition commits between reading its status and the
+-- comment's event.
+WITH task AS (
+    SELECT id, status FROM tasks WHERE id = %(task_id)s FOR SHARE
+)
+INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
+SELECT id, 'commented', status, %(actor)s, jsonb_build_object('body', %(body)s::text), now()
+FROM task
+RETURNING *;
+
+-- name: set_queue_paused
+-- Pause or resume a queue, record who did it and why, and tell every server's relay
+-- (channel task_queues) so that claims waiting on the queue try again at once on resume.
+WITH state AS (
+    INSERT INTO queue_states (name, paused, changed_at, changed_by, note)
+    VALUES (%(queue)s, %(paused)s, now(), %(actor)s, COALESCE(%(note)s::text, ''))
+    ON CONFLICT (name) DO UPDATE SET
+        paused = EXCLUDED.paused, changed_at = EXCLUDED.changed_at,
+        changed_by = EXCLUDED.changed_by, note = EXCLUDED.note
+    RETURNING *
+), log AS (
+    INSERT INTO queue_pauses (queue, paused, actor, note, created_at)
+    SELECT name, paused, changed_by, note, changed_at FROM state
+)
+SELECT state.*, pg_notify('task_queues', state.name) IS NULL AS notified FROM state;
+
 -- name: task_status
--- Read a task's current status after a guard refused, to tell 404 from 409.
-SELECT status FROM tasks WHERE id = %(task_id)s;
+-- Read a task's current status after a guard refused, to tell 404 from 409, and whether
+-- its attempt deadline has passed (the detail of the 409 says so).
+SELECT status,
+       status = 'in_progress'
+           AND max_attempt_seconds IS NOT NULL
+           AND attempt_started_at + make_interval(secs => max_attempt_seconds) <= now()
+           AS deadline_passed
+FROM tasks WHERE id = %(task_id)s;

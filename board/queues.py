@@ -1,0 +1,77 @@
+"""Queues and agents at a glance: what ``GET queues/``, ``GET agents/`` and the board's
+panels show, read from the counters that the triggers of migration 0008 keep in step with
+every transition (never a scan of tasks or of the event log)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connection
+
+from board.access import QueueAccess
+from board.sql import QUERIES
+
+COUNTS = ("pending", "blocked", "in_progress", "escalated", "done", "cancelled")
+
+
+def _rows(name: str, access: QueueAccess | None) -> list[dict[str, Any]]:
+    queues = sorted(access.queues or ()) if access is not None and access.limited else None
+    params: dict[str, Any] = {"all_queues": queues is None, "queues": queues or []}
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES[name], params)
+        columns = [col.name for col in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+def queue_list(access: QueueAccess | None = None, name: str | None = None) -> list[dict[str, Any]]:
+    """Every queue that has tasks or was paused (those ``access`` may see), by name:
+    ``{"name", "paused", "counts": {...}, "oldest_pending_at"}`` plus who last paused or
+    resumed it (``changed_at``, ``changed_by``, ``note``; None if nobody ever did)."""
+    queues = []
+    for row in _rows("queue_list", access):
+        if name is not None and row["name"] != name:
+            continue
+        queues.append(
+            {
+                "name": row["name"],
+                "paused": row["paused"],
+                "counts": {count: int(row[count]) for count in COUNTS},
+                "oldest_pending_at": row["oldest_pending_at"],
+                "changed_at": row["changed_at"],
+                "changed_by": row["changed_by"],
+                "note": row["note"],
+            }
+        )
+    return queues
+
+
+def queue_detail(name: str, access: QueueAccess | None = None) -> dict[str, Any]:
+    """One queue as queue_list shows it, with zero counts if it has no tasks yet."""
+    for queue in queue_list(access, name):
+        return queue
+    return {
+        "name": name,
+        "paused": False,
+        "counts": dict.fromkeys(COUNTS, 0),
+        "oldest_pending_at": None,
+        "changed_at": None,
+        "changed_by": None,
+        "note": None,
+    }
+
+
+def agent_list(access: QueueAccess | None = None) -> list[dict[str, Any]]:
+    """Every user that has claimed a task, by name: ``{"name", "holding", "last_seen_at",
+    "completed_24h", "failed_24h", "expired_24h"}``; ``holding`` lists only tasks of the
+    queues ``access`` may see."""
+    return [
+        {
+            "name": row["name"],
+            "holding": list(row["holding"]),
+            "last_seen_at": row["last_seen_at"],
+            "completed_24h": int(row["completed_24h"]),
+            "failed_24h": int(row["failed_24h"]),
+            "expired_24h": int(row["expired_24h"]),
+        }
+        for row in _rows("agent_list", access)
+    ]

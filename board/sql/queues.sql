@@ -1,0 +1,61 @@
+-- Queues and agents at a glance (GET queues/, GET agents/, the board's panels): reads of
+-- the counters that migration 0008's triggers keep, never a scan of tasks or task_events.
+
+-- name: queue_list
+-- Every queue that has tasks or was ever paused, with its counts summed over the shards.
+-- %(all_queues)s is a literal true or false: a user limited to queues sees only its own.
+WITH counts AS (
+    SELECT queue,
+           sum(pending) AS pending, sum(blocked) AS blocked,
+           sum(in_progress) AS in_progress, sum(escalated) AS escalated,
+           sum(done) AS done, sum(cancelled) AS cancelled
+    FROM queue_counters
+    WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
+    GROUP BY queue
+), names AS (
+    SELECT queue AS name FROM counts
+    WHERE pending + blocked + in_progress + escalated + done + cancelled > 0
+    UNION
+    SELECT name FROM queue_states WHERE (%(all_queues)s OR name = ANY(%(queues)s))
+)
+SELECT n.name,
+       COALESCE(s.paused, false) AS paused,
+       COALESCE(c.pending, 0) AS pending, COALESCE(c.blocked, 0) AS blocked,
+       COALESCE(c.in_progress, 0) AS in_progress, COALESCE(c.escalated, 0) AS escalated,
+       COALESCE(c.done, 0) AS done, COALESCE(c.cancelled, 0) AS cancelled,
+       -- One step down tasks_pending_queue_created_idx (its predicate, word for word).
+       (SELECT t.created_at FROM tasks t
+        WHERE t.queue = n.name AND (t.status = 'pending' AND t.open_dependencies = 0) IS TRUE
+        ORDER BY t.created_at LIMIT 1) AS oldest_pending_at,
+       s.changed_at, s.changed_by, s.note
+FROM names n
+LEFT JOIN counts c ON c.queue = n.name
+LEFT JOIN queue_states s ON s.name = n.name
+ORDER BY n.name;
+
+-- name: agent_list
+-- Every user that has claimed a task: the tasks it holds now (of the queues the reader
+-- may see), when it was last seen (its last claim, heartbeat, complete, fail, release or
+-- escalate), and how its leases ended in the last 24 hours, counted by the hour (the
+-- current hour and the 23 before it).
+SELECT u.username AS name,
+       ARRAY(
+           SELECT t.id FROM tasks t
+           WHERE t.leased_by = u.username AND t.status = 'in_progress'
+             AND (%(all_queues)s OR t.queue = ANY(%(queues)s))
+           ORDER BY t.id
+       ) AS holding,
+       (SELECT a.last_seen_at FROM agent_activity a
+        WHERE a.agent = u.username AND a.last_seen_at IS NOT NULL
+        ORDER BY a.hour DESC, a.last_seen_at DESC LIMIT 1) AS last_seen_at,
+       COALESCE(day.completed, 0) AS completed_24h,
+       COALESCE(day.failed, 0) AS failed_24h,
+       COALESCE(day.expired, 0) AS expired_24h
+FROM auth_user u
+CROSS JOIN LATERAL (
+    SELECT sum(a.completed) AS completed, sum(a.failed) AS failed, sum(a.expired) AS expired
+    FROM agent_activity a
+    WHERE a.agent = u.username AND a.hour > now() - interval '24 hours'
+) day
+WHERE EXISTS (SELECT 1 FROM agent_activity a WHERE a.agent = u.username)
+ORDER BY u.username;
