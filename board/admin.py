@@ -1,9 +1,12 @@
-"""The admin's read-only view of every task and event.
+"""The admin's read-only view of every task and event, and of the queues' pauses.
 
-Nothing here writes: tasks change only through ``board.transitions`` (the escalation queue
-in ``escalations.admin`` offers the human transitions), and the event log is append-only.
-The event inline and the JSON rendering live here, for both admins. Staff set which queues
-an agent is limited to (board.access) on the user's page.
+Nothing here writes a row itself: tasks change only through ``board.transitions`` (the
+escalation queue in ``escalations.admin`` offers the human transitions), and the event log
+is append-only. The event inline, the work graph and the JSON rendering live here, for both
+task admins. Staff set which queues an agent is limited to (board.access) on the user's
+page. A queue's state and its log of pauses and resumes are read-only lists; pausing and
+resuming are actions on the queues, for staff (as in the API), that call
+``board.transitions.pause_queue`` and ``resume_queue``.
 """
 
 from __future__ import annotations
@@ -11,18 +14,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.contrib import admin
-from django.contrib.admin.utils import flatten_fieldsets
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import flatten_fieldsets, unquote
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from board import transitions
 from board.access import queue_access
-from board.models import QueueLimit, Task, TaskEvent
+from board.api.permissions import may_pause_queues
+from board.forms import QueueNoteForm
+from board.models import QueueLimit, QueuePause, QueueState, Task, TaskEvent
+from board.relations import relations_of
 
 admin.site.site_header = "Taskboard administration"
 admin.site.site_title = "Taskboard admin"
@@ -113,6 +122,12 @@ class ReadOnlyTaskAdmin(ReadOnlyAdmin):
     def task_result(self, task: Task) -> SafeString:
         return json_block(task.result)
 
+    @admin.display(description="progress")
+    def task_progress(self, task: Task) -> SafeString | str:
+        if task.progress is None:
+            return self.get_empty_value_display()
+        return json_block(task.progress)
+
     @admin.display(description="last error")
     def task_last_error(self, task: Task) -> SafeString | str:
         if task.last_error is None:
@@ -127,6 +142,21 @@ class ReadOnlyTaskAdmin(ReadOnlyAdmin):
     def holder(self, task: Task) -> str | None:
         # The foreign key holds the username itself: no join to auth_user needed.
         return task.leased_by_id
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # The work graph needs the user's queue limit, which a field's display method does
+        # not get: the page's template shows it (admin/board/work_graph.html).
+        context = dict(extra_context or {})
+        task = self.get_object(request, unquote(object_id))
+        if task is not None:
+            context["relations"] = relations_of(task, queue_access(request.user))
+        return super().change_view(request, object_id, form_url, context)
 
 
 @admin.register(Task)
@@ -160,10 +190,11 @@ class TaskAdmin(ReadOnlyTaskAdmin):
                 ]
             },
         ),
-        ("Data", {"fields": ["task_payload", "task_result"]}),
+        ("Data", {"fields": ["task_payload", "task_progress", "task_result"]}),
         ("Record", {"fields": ["created_by", "created_at", "updated_at"]}),
     ]
     readonly_fields = flatten_fieldsets(fieldsets)
+    change_form_template = "admin/board/task/change_form.html"
 
 
 @admin.register(TaskEvent)
@@ -213,3 +244,104 @@ class UserAdmin(auth_admin.UserAdmin):
     def queues(self, user: Any) -> str:
         limit = getattr(user, "queue_limit", None)
         return ", ".join(limit.queues) if limit is not None else "every queue"
+
+
+# -- Queues: their state, and the log of pauses and resumes ---------------------------------
+
+
+def _queues(count: int) -> str:
+    return f"{count} queue" if count == 1 else f"{count} queues"
+
+
+@admin.action(permissions=["pause"], description="Pause selected queues…")
+def pause(
+    modeladmin: QueueStateAdmin, request: HttpRequest, queryset: QuerySet[QueueState]
+) -> HttpResponse | None:
+    return modeladmin.set_paused(request, queryset, paused=True)
+
+
+@admin.action(permissions=["pause"], description="Resume selected queues…")
+def resume(
+    modeladmin: QueueStateAdmin, request: HttpRequest, queryset: QuerySet[QueueState]
+) -> HttpResponse | None:
+    return modeladmin.set_paused(request, queryset, paused=False)
+
+
+@admin.register(QueueState)
+class QueueStateAdmin(ReadOnlyAdmin):
+    """Every queue that was ever paused, whether it is now, and its last change.
+
+    A queue gets its row when it is first paused (on the board's queues panel, through the
+    API or here); from then on it is paused and resumed here with the list's actions.
+    """
+
+    list_display = ["name", "paused", "changed_at", "changed_by", "note"]
+    list_filter = ["paused"]
+    search_fields = ["name", "changed_by", "note"]
+    ordering = ["name"]
+    actions = [pause, resume]
+    readonly_fields = ("name", "paused", "changed_at", "changed_by", "note")
+    fields = readonly_fields
+    note_form_template = "admin/board/queuestate/note_form.html"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return queue_access(request.user).visible(super().get_queryset(request), "name")
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        """Return whether the user may pause and resume queues (staff, as in the API)."""
+        return may_pause_queues(request.user)
+
+    def set_paused(
+        self, request: HttpRequest, queryset: QuerySet[QueueState], *, paused: bool
+    ) -> HttpResponse | None:
+        """Ask for a note, then pause (or resume) each selected queue not already so."""
+        verb, done = ("Pause", "Paused") if paused else ("Resume", "Resumed")
+        form = QueueNoteForm(request.POST if "confirm" in request.POST else None)
+        eligible = list(queryset.exclude(paused=paused).values_list("name", flat=True))
+        if not form.is_valid():
+            request.current_app = self.admin_site.name
+            context = {
+                **self.admin_site.each_context(request),
+                "title": f"{verb} {_queues(len(eligible))}",
+                "opts": self.opts,
+                "verb": verb,
+                "action": verb.lower(),
+                "form": form,
+                "queues": eligible,
+                "skipped": queryset.count() - len(eligible),
+                "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+                "select_across": request.POST.get("select_across", "0"),
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                "media": self.media + form.media,
+            }
+            return TemplateResponse(request, self.note_form_template, context)
+        change = transitions.pause_queue if paused else transitions.resume_queue
+        for name in eligible:
+            change(queue=name, actor=request.user, note=form.cleaned_data["note"])
+        skipped = queryset.count() - len(eligible)
+        text = f"{done} {_queues(len(eligible))}"
+        if skipped:
+            text += f"; skipped {skipped} already {'paused' if paused else 'running'}"
+        self.message_user(
+            request, text + ".", messages.WARNING if skipped or not eligible else messages.SUCCESS
+        )
+        return None
+
+
+@admin.register(QueuePause)
+class QueuePauseAdmin(ReadOnlyAdmin):
+    """The log of every pause and resume: who, when, which queue, and why. Append-only."""
+
+    list_display = ["created_at", "queue", "change", "actor", "note"]
+    list_filter = ["paused", "queue"]
+    search_fields = ["queue", "actor", "note"]
+    ordering = ["-id"]
+    readonly_fields = ("queue", "change", "actor", "note", "created_at")
+    fields = readonly_fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return queue_access(request.user).visible(super().get_queryset(request), "queue")
+
+    @admin.display(description="change", ordering="paused")
+    def change(self, entry: QueuePause) -> str:
+        return "paused" if entry.paused else "resumed"

@@ -22,6 +22,15 @@ class TaskNotFound(BoardError):
         super().__init__(f"Task {task_id} does not exist.")
 
 
+class ReferencedTaskNotFound(TaskNotFound):
+    """A create named a dependency or parent that is not a task the caller can see."""
+
+    def __init__(self, task_id: int, field: str) -> None:
+        super().__init__(task_id)
+        self.field = field
+        self.args = (f"Task {task_id} does not exist ({field}).",)
+
+
 class LeaseLost(BoardError):
     """The caller does not hold a live lease on the task; it must stop working on it."""
 

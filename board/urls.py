@@ -17,11 +17,27 @@ class TaskIdConverter:
         return str(value)
 
 
+class QueueNameConverter:
+    """A queue name (board.models.QUEUE_PATTERN): anything else is a 404."""
+
+    regex = "[a-z0-9_-]{1,64}"
+
+    def to_python(self, value: str) -> str:
+        return value
+
+    def to_url(self, value: str) -> str:
+        return value
+
+
 register_converter(TaskIdConverter, "task_id")
+register_converter(QueueNameConverter, "queue")
 
 app_name = "board"
 
 urlpatterns = [
     path("", views.home, name="home"),
     path("tasks/<task_id:pk>/", views.task_detail, name="task"),
+    path("tasks/<task_id:pk>/comments/", views.comment, name="comment"),
+    path("queues/<queue:name>/pause/", views.pause_queue, name="pause-queue"),
+    path("queues/<queue:name>/resume/", views.resume_queue, name="resume-queue"),
 ]

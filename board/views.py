@@ -4,8 +4,12 @@ Both pages are drawn from one snapshot of the database and carry, for the browse
 EventSource, the id to resume the stream from (``?lastEventId=``) and the ids of the events
 the stream will deliver although the page already shows them. The script applies every
 other event, so the page neither misses what happened between drawing and connecting nor
-applies anything twice. Changes go through the REST API (``board/static/board/board.js``),
-which calls ``board.transitions``; these views only read.
+applies anything twice. A holder's changes go through the REST API
+(``board/static/board/board.js``), which calls ``board.transitions``.
+
+Two plain HTML forms post here instead, and work without the script: a comment on a task's
+page (any user who may see the task) and pausing or resuming a queue in the board's queues
+panel (staff). Each calls its transition and redirects back.
 """
 
 from __future__ import annotations
@@ -14,20 +18,30 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 from django.db.models import Count, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_safe
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST, require_safe
 
-from board import conf
-from board.access import queue_access
+from board import conf, transitions
+from board.access import QueueAccess, queue_access
+from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
+from board.exceptions import ForbiddenQueue, TaskNotFound
+from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
+from board.queues import agent_list, queue_list
+from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
 
 # The board shows every open task up to this many per column (a note counts the rest)...
@@ -36,7 +50,22 @@ OPEN_COLUMN_LIMIT = 200
 FINISHED_LIMIT = 50
 
 # A card shows neither: the task page does. Payloads may be up to 1 MiB each.
-CARD_OMITS = {"payload", "description", "result"}
+CARD_OMITS = {"payload", "description", "result", "progress"}
+
+_NEVER = datetime.min.replace(tzinfo=UTC)
+
+# The queues panel's columns: the keys of a queue's "counts" (board.queues.queue_list).
+QUEUE_COUNTS = [
+    ("pending", "Pending"),
+    ("blocked", "Blocked"),
+    ("in_progress", "In progress"),
+    ("escalated", "Escalated"),
+    ("done", "Done"),
+    ("cancelled", "Cancelled"),
+]
+
+# The agents panel shows this many agents, those holding tasks and seen last first.
+AGENTS_LIMIT = 50
 
 COUNTS = [
     (TaskStatus.PENDING.value, "Pending"),
@@ -143,24 +172,52 @@ def _stream_context(resume_id: int, skip: list[int]) -> dict[str, Any]:
     return {"resume_id": resume_id, "skip": skip, "now": timezone.now().isoformat()}
 
 
+def visible_agents(access: QueueAccess) -> list[dict[str, Any]]:
+    """Return the agents panel's rows (board.queues.agent_list, which shows a user limited
+    to queues only the tasks of its queues among what each agent holds): those holding
+    tasks first, then the most recently seen, up to AGENTS_LIMIT."""
+    agents = agent_list(access)
+    agents.sort(key=lambda agent: agent["name"])
+    agents.sort(key=lambda agent: agent["last_seen_at"] or _NEVER, reverse=True)
+    agents.sort(key=lambda agent: not agent["holding"])
+    return agents[:AGENTS_LIMIT]
+
+
+def dependencies_of(tasks: list[Task], access: QueueAccess) -> dict[int, Summary]:
+    """Return, by id, the dependencies of each blocked task of ``tasks``: what keeps it
+    blocked is those not done. One of a queue the user may not see is listed by id only."""
+    ids = {dep for task in tasks if task.blocked for dep in task.depends_on}
+    found = Task.objects.filter(pk__in=ids).only(*SUMMARY_FIELDS) if ids else []
+    return {
+        task.pk: summary(task) if access.allows(task.queue) else hidden(task.pk) for task in found
+    }
+
+
 @require_safe
 @login_required
 def home(request: HttpRequest) -> HttpResponse:
-    """Show the board: open tasks by status, the latest finished ones, counts per status."""
+    """Show the board: open tasks by status, the latest finished ones, counts per status,
+    and at a glance every queue and agent."""
     queue = queue_filter(request)
+    access = queue_access(request.user)
     horizon = stream_horizon()
     with page_snapshot():
         resume_id = stream_head_id(horizon)
         skip = unstable_event_ids(horizon)
         # A user limited to queues (board.access) sees only those, here as in the API.
-        visible = queue_access(request.user).visible(Task.objects.all())
+        visible = access.visible(Task.objects.all())
         tasks = visible.filter(queue=queue) if queue else visible
         counts = dict(tasks.values_list("status").annotate(n=Count("id")).order_by())
         columns = {column.key: column.tasks(tasks) for column in COLUMNS}
         queues = sorted(visible.values_list("queue", flat=True).distinct().order_by())
+        cards = [task for shown in columns.values() for task in shown]
+        dependencies = dependencies_of(cards, access)
+        queue_rows = queue_list(access)
+        agents = visible_agents(access)
     if queue and queue not in queues:
         queues.append(queue)
     counts = {status.value: counts.get(status.value, 0) for status in TaskStatus}
+    can_pause = may_pause_queues(request.user)
     state = {
         **_stream_context(resume_id, skip),
         "page": "board",
@@ -169,13 +226,13 @@ def home(request: HttpRequest) -> HttpResponse:
         "lease_seconds": conf.lease_seconds(),
         "open_limit": OPEN_COLUMN_LIMIT,
         "finished_limit": FINISHED_LIMIT,
+        "agents_limit": AGENTS_LIMIT,
         "counts": counts,
-        "tasks": [
-            _card(data)
-            for data in TaskSerializer(
-                [task for cards in columns.values() for task in cards], many=True
-            ).data
-        ],
+        "tasks": [_card(data) for data in TaskSerializer(cards, many=True).data],
+        "dependencies": dependencies,
+        "queues": queue_rows,
+        "agents": agents,
+        "can_pause": can_pause,
     }
     return render(
         request,
@@ -194,22 +251,30 @@ def home(request: HttpRequest) -> HttpResponse:
                 }
                 for column in COLUMNS
             ],
+            "dependencies": dependencies,
+            "queue_rows": queue_rows,
+            "count_columns": QUEUE_COUNTS,
+            "agents": agents,
+            "can_pause": can_pause,
             "finished_limit": FINISHED_LIMIT,
             "now": timezone.now(),
         },
     )
 
 
-@require_safe
-@login_required
-def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    """Show one task, its payload and result, and its whole event timeline, oldest first."""
+def _task_page(
+    request: HttpRequest, pk: int, *, form: CommentForm | None = None, status: int = 200
+) -> HttpResponse:
+    """Render a task's page, with ``form`` (a comment that was refused) if given."""
+    access = queue_access(request.user)
     horizon = stream_horizon()
     with page_snapshot():
         resume_id = stream_head_id(horizon)
-        task = get_object_or_404(queue_access(request.user).visible(Task.objects.all()), pk=pk)
+        visible = access.visible(Task.objects.all())
+        task = get_object_or_404(visible, pk=pk)
         events = list(TaskEvent.objects.filter(task=task).order_by("id"))
         skip = unstable_event_ids(horizon, task.pk)
+        relations = relations_of(task, access)
     data = TaskSerializer(task).data
     state = {
         **_stream_context(resume_id, skip),
@@ -217,9 +282,85 @@ def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "user": request.user.get_username(),
         "lease_seconds": conf.lease_seconds(),
         "task": data,
+        "relations": relations,
     }
     return render(
         request,
         "board/task.html",
-        {"state": state, "task": task, "events": events, "now": timezone.now()},
+        {
+            "state": state,
+            "task": task,
+            "events": events,
+            "relations": relations,
+            "comment_form": form or CommentForm(),
+            "now": timezone.now(),
+        },
+        status=status,
     )
+
+
+@require_safe
+@login_required
+def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """Show one task, its payload, progress and result, its place in the work graph
+    (parent, children, dependencies, dependents) and its whole timeline, oldest first."""
+    return _task_page(request, pk)
+
+
+@require_POST
+@login_required
+def comment(request: HttpRequest, pk: int) -> HttpResponse:
+    """Add the posted comment to the task's timeline, then show the task's page there.
+
+    Any user who may see the task may comment on it, in any status.
+    """
+    visible = queue_access(request.user).visible(Task.objects.all())
+    if not visible.filter(pk=pk).exists():
+        raise Http404("No such task.")
+    form = CommentForm(request.POST)
+    if not form.is_valid():
+        return _task_page(request, pk, form=form, status=400)
+    try:
+        event = transitions.comment(task_id=pk, actor=request.user, body=form.cleaned_data["body"])
+    except TaskNotFound as exc:
+        raise Http404("No such task.") from exc
+    return HttpResponseRedirect(f"{reverse('board:task', args=[pk])}#event-{event.pk}")
+
+
+def _set_paused(request: HttpRequest, name: str, *, paused: bool) -> HttpResponse:
+    """Pause or resume queue ``name`` as the user, then go back to where the form was."""
+    if not may_pause_queues(request.user):
+        raise PermissionDenied("Only staff may pause or resume queues.")
+    try:
+        queue_access(request.user).check(name)
+    except ForbiddenQueue as exc:
+        raise PermissionDenied(str(exc)) from exc
+    form = QueueNoteForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"The note is too long: at most {MAX_NOTE_LENGTH} characters.")
+    elif paused:
+        transitions.pause_queue(queue=name, actor=request.user, note=form.cleaned_data["note"])
+        messages.success(request, f"Paused {name}: no claim hands out its tasks until resumed.")
+    else:
+        transitions.resume_queue(queue=name, actor=request.user, note=form.cleaned_data["note"])
+        messages.success(request, f"Resumed {name}.")
+    target = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        target = reverse("board:home")
+    return HttpResponseRedirect(target)
+
+
+@require_POST
+@login_required
+def pause_queue(request: HttpRequest, name: str) -> HttpResponse:
+    """Pause a queue: a claim hands out none of its tasks until it is resumed."""
+    return _set_paused(request, name, paused=True)
+
+
+@require_POST
+@login_required
+def resume_queue(request: HttpRequest, name: str) -> HttpResponse:
+    """Resume a paused queue."""
+    return _set_paused(request, name, paused=False)

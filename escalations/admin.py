@@ -3,7 +3,9 @@
 The admin never edits a task. Its three ways out of the queue (requeue, resolve, cancel)
 are actions on the list and buttons on a task's page; each one calls the transition of the
 same name in ``board.transitions`` with the logged-in user as the actor, one task at a time,
-and reports how many it applied and how many it skipped.
+and reports how many it applied and how many it skipped. A task's page also takes a comment
+(``board.transitions.comment``) from anyone who may see it, and shows the task's place in
+the work graph: what it depends on, what waits for it, and its progress.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from django.urls import URLPattern, path, reverse
 from django.utils.text import Truncator
 
 from board import transitions
+from board.access import queue_access
 from board.admin import ReadOnlyTaskAdmin
 from board.exceptions import InvalidTransition, TaskNotFound
+from board.forms import CommentForm
 from board.models import Task
 from escalations.models import TRIAGE_PERMISSION, EscalatedTask
 
@@ -129,7 +133,7 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
             "Escalation",
             {"fields": ["escalated_at", "escalation_reason", "failures", "task_last_error"]},
         ),
-        ("Data", {"fields": ["task_payload", "task_result"]}),
+        ("Data", {"fields": ["task_payload", "task_progress", "task_result"]}),
         ("Record", {"fields": ["created_by", "created_at", "updated_at"]}),
     ]
     readonly_fields = flatten_fieldsets(fieldsets)
@@ -238,7 +242,54 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
             )
             for triage in (REQUEUE, RESOLVE, CANCEL)
         ]
+        urls.append(
+            path(
+                "<path:object_id>/comment/",
+                self.admin_site.admin_view(self.comment_view),
+                name="{}_{}_comment".format(*info),
+            )
+        )
         return urls + super().get_urls()
+
+    def comment_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """Add the posted comment to the task's history, then show the task's page again.
+
+        Anyone who may see the task may comment, as in the API; a task that has left the
+        queue meanwhile still takes the comment (a comment fits any status).
+        """
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        task_id = unquote(object_id)
+        visible = queue_access(request.user).visible(Task.objects.all())
+        if not task_id.isdigit() or not visible.filter(pk=task_id).exists():
+            self.message_user(request, f"There is no task {task_id}.", messages.WARNING)
+            return self.redirect_to_queue(request)
+        form = CommentForm(request.POST)
+        if not form.is_valid():
+            self.message_user(request, " ".join(map(str, form.errors["body"])), messages.ERROR)
+        else:
+            try:
+                transitions.comment(
+                    task_id=int(task_id), actor=request.user, body=form.cleaned_data["body"]
+                )
+            except TaskNotFound as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+                return self.redirect_to_queue(request)
+            self.message_user(request, f"Commented on task {task_id}.", messages.SUCCESS)
+        if self.get_object(request, task_id) is None:
+            return self.redirect_to_queue(request)
+        url = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+            args=[task_id],
+            current_app=self.admin_site.name,
+        )
+        preserved_filters = self.get_preserved_filters(request)
+        url = add_preserved_filters(
+            {"preserved_filters": preserved_filters, "opts": self.opts}, url
+        )
+        return HttpResponseRedirect(url + "#comment")
 
     def triage_view(self, request: HttpRequest, object_id: str, triage: Triage) -> HttpResponse:
         """Apply ``triage`` to one task (after its form, if it has one), back to the list."""
@@ -287,5 +338,8 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
         form_url: str = "",
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
-        extra_context = {**(extra_context or {}), "can_triage": self.has_triage_permission(request)}
+        extra_context = {
+            **(extra_context or {}),
+            "can_triage": self.has_triage_permission(request),
+        }
         return super().change_view(request, object_id, form_url, extra_context)

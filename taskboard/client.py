@@ -29,21 +29,24 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
 __all__ = [
+    "Agent",
     "AuthenticationError",
     "ClaimedTask",
     "Client",
     "Conflict",
     "Event",
     "ForbiddenQueue",
+    "IdempotencyConflict",
     "InvalidTransition",
     "Lease",
     "LeaseLost",
@@ -51,6 +54,7 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "PermissionDenied",
+    "Queue",
     "RequestTimeout",
     "Task",
     "TaskboardError",
@@ -135,6 +139,11 @@ class InvalidTransition(Conflict):
     """409 invalid_transition: the task's status does not allow this staff action."""
 
 
+class IdempotencyConflict(Conflict):
+    """409 idempotency_conflict: you created a task with this ``Idempotency-Key`` before,
+    with another body. Nothing was created; use a new key for a new task."""
+
+
 class RequestTimeout(TaskboardError):
     """408: the request body did not arrive within the server's time limit; nothing was
     done (a very slow network, or a stalled sender)."""
@@ -177,6 +186,7 @@ _BY_STATUS: dict[int, type[TaskboardError]] = {
 _BY_CODE: dict[str, type[TaskboardError]] = {
     "lease_lost": LeaseLost,
     "invalid_transition": InvalidTransition,
+    "idempotency_conflict": IdempotencyConflict,
     "forbidden_queue": ForbiddenQueue,
 }
 
@@ -243,11 +253,27 @@ class Task:
     created_by: str
     created_at: datetime
     updated_at: datetime
+    #: Ids of the tasks this one waits for (it is ``blocked`` while one is not done).
+    depends_on: list[int] = field(default_factory=list)
+    blocked: bool = False
+    parent_id: int | None = None
+    #: The latest progress a heartbeat reported: the next holder resumes from it.
+    progress: Any = None
+    max_attempt_seconds: int | None = None
+    attempt_started_at: datetime | None = None
+    idempotency_key: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Task:
         return cls(**_task_fields(data))
+
+    @property
+    def attempt_deadline(self) -> datetime | None:
+        """When the current attempt must end, however often it heartbeats (or None)."""
+        if self.attempt_started_at is None or self.max_attempt_seconds is None:
+            return None
+        return self.attempt_started_at + timedelta(seconds=self.max_attempt_seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,8 +282,11 @@ class ClaimedTask(Task):
 
     ``lease_seconds`` is the lease length asked for (or, when the claim asked for none,
     estimated from ``leased_until``); ``claimed_at`` is the ``time.monotonic()`` at which
-    the claim was sent, so the lease surely runs out no earlier than ``claimed_at +
-    lease_seconds`` on this machine's clock.
+    the server claimed the task, as this machine places it: the lease runs out about
+    ``claimed_at + lease_seconds`` on this machine's clock. The claim happened between
+    sending the request and reading its answer, which may be ``wait`` seconds apart; the
+    two clocks place it within that span (the claim's ``attempt_started_at`` against this
+    machine's time), and where they cannot, it counts from the sending, erring early.
     """
 
     lease_token: str = field(repr=False)
@@ -286,8 +315,20 @@ def _task_fields(data: Mapping[str, Any]) -> dict[str, Any]:
         "created_by": data.get("created_by", ""),
         "created_at": parse_time(data["created_at"]),
         "updated_at": parse_time(data["updated_at"]),
+        # Absent from the answers of servers older than these fields.
+        "depends_on": [int(task_id) for task_id in data.get("depends_on") or []],
+        "blocked": bool(data.get("blocked", False)),
+        "parent_id": _optional_int(data.get("parent_id")),
+        "progress": data.get("progress"),
+        "max_attempt_seconds": _optional_int(data.get("max_attempt_seconds")),
+        "attempt_started_at": parse_time(data.get("attempt_started_at")),
+        "idempotency_key": data.get("idempotency_key"),
         "raw": dict(data),
     }
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +362,56 @@ class Event:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Queue:
+    """A queue at a glance (``GET queues/``): whether it is paused, and its tasks counted
+    by status (``pending``, ``blocked``, ``in_progress``, ``escalated``, ``done``,
+    ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
+    pending, unblocked task was created."""
+
+    name: str
+    paused: bool
+    counts: dict[str, int]
+    oldest_pending_at: datetime | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Queue:
+        return cls(
+            name=data["name"],
+            paused=bool(data["paused"]),
+            counts={str(key): int(value) for key, value in (data.get("counts") or {}).items()},
+            oldest_pending_at=parse_time(data.get("oldest_pending_at")),
+            raw=dict(data),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agent:
+    """An agent at a glance (``GET agents/``): the tasks it holds, when it last acted, and
+    how its tasks ended in the last 24 hours."""
+
+    name: str
+    holding: list[int]
+    last_seen_at: datetime | None
+    completed_24h: int
+    failed_24h: int
+    expired_24h: int
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Agent:
+        return cls(
+            name=data["name"],
+            holding=[int(task_id) for task_id in data.get("holding") or []],
+            last_seen_at=parse_time(data.get("last_seen_at")),
+            completed_24h=int(data.get("completed_24h", 0)),
+            failed_24h=int(data.get("failed_24h", 0)),
+            expired_24h=int(data.get("expired_24h", 0)),
+            raw=dict(data),
+        )
+
+
 T = TypeVar("T")
 
 
@@ -342,6 +433,12 @@ def _task_id(task: TaskRef) -> int:
     return task if isinstance(task, int) else task.id
 
 
+def _items(data: Any) -> list[Any]:
+    # queues/ and agents/ answer a bare list; their OpenAPI entry (one object) may yet
+    # become a page, {"results": [...]}, as tasks/ and events/ answer: read either.
+    return list(data["results"] if isinstance(data, dict) else data)
+
+
 def _lease_of(task: ClaimedTask | int, lease_token: str | None) -> tuple[int, str]:
     if lease_token is None:
         if not isinstance(task, ClaimedTask):
@@ -358,6 +455,21 @@ def _time_param(value: datetime | str | None) -> str | None:
     return value.isoformat() if isinstance(value, datetime) else value
 
 
+def _task_filters(
+    *,
+    parent: TaskRef | None,
+    blocked: bool | None,
+    depends_on: TaskRef | None,
+    **others: Any,
+) -> dict[str, Any]:
+    return _drop_none(
+        parent=_task_id(parent) if parent is not None else None,
+        blocked=None if blocked is None else ("true" if blocked else "false"),
+        depends_on=_task_id(depends_on) if depends_on is not None else None,
+        **others,
+    )
+
+
 # Errors after which the request surely never reached the server: safe to send again.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -370,7 +482,8 @@ class Client:
     retried up to ``retries`` times, after ``backoff * 2**n`` seconds (at most
     ``max_backoff``, with jitter, and no less than a ``Retry-After`` within that bound).
     A request that was sent but got no answer is retried only if repeating it is harmless
-    (reads and heartbeats): repeating a claim, a create or a complete could do it twice.
+    (reads, heartbeats, and creates, which carry an ``Idempotency-Key``): repeating a
+    claim or a complete could do it twice.
     ``4xx`` answers are never retried.
 
     One client may be shared by threads.
@@ -425,8 +538,24 @@ class Client:
         priority: int | None = None,
         max_failures: int | None = None,
         run_after: datetime | str | None = None,
+        depends_on: Iterable[TaskRef] | None = None,
+        parent_id: TaskRef | None = None,
+        max_attempt_seconds: int | None = None,
+        idempotency_key: str | None = None,
     ) -> Task:
-        """Create a pending task; what is not given gets the server's default."""
+        """Create a pending task; what is not given gets the server's default.
+
+        ``depends_on``: the (older) tasks that must be done before this one is claimable;
+        ``parent_id``: the task this one is a subtask of; ``max_attempt_seconds``: how long
+        one attempt may hold it, however often it heartbeats.
+
+        Every create sends an ``Idempotency-Key``: ``idempotency_key``, or a fresh random
+        one for this call. Its retries send the same key, so a create whose answer was
+        lost is sent again (unlike other writes) and still makes one task. Pass your own
+        key to make creates safe across calls or processes: a repeat returns the task the
+        first one made, as it is now, and one with another body raises
+        :class:`IdempotencyConflict`.
+        """
         body = _drop_none(
             title=title,
             description=description,
@@ -435,8 +564,15 @@ class Client:
             priority=priority,
             max_failures=max_failures,
             run_after=_time_param(run_after),
+            depends_on=[_task_id(task) for task in depends_on] if depends_on is not None else None,
+            parent_id=_task_id(parent_id) if parent_id is not None else None,
+            max_attempt_seconds=max_attempt_seconds,
         )
-        return Task.from_json(self._request("POST", "/tasks/", body=body))
+        key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
+        data = self._request(
+            "POST", "/tasks/", body=body, headers={"Idempotency-Key": key}, idempotent=True
+        )
+        return Task.from_json(data)
 
     def list_tasks(
         self,
@@ -444,12 +580,26 @@ class Client:
         status: str | None = None,
         queue: str | None = None,
         leased_by: str | None = None,
+        parent: TaskRef | None = None,
+        blocked: bool | None = None,
+        depends_on: TaskRef | None = None,
         limit: int | None = None,
         before: int | None = None,
     ) -> Page[Task]:
-        """Return one page of tasks, newest first (``before``: only smaller ids)."""
-        params = _drop_none(
-            status=status, queue=queue, leased_by=leased_by, limit=limit, before=before
+        """Return one page of tasks, newest first (``before``: only smaller ids).
+
+        ``parent``: the subtasks of that task; ``blocked``: only tasks that are (or are
+        not) waiting for a dependency; ``depends_on``: the tasks that wait for that one.
+        """
+        params = _task_filters(
+            status=status,
+            queue=queue,
+            leased_by=leased_by,
+            parent=parent,
+            blocked=blocked,
+            depends_on=depends_on,
+            limit=limit,
+            before=before,
         )
         data = self._request("GET", "/tasks/", params=params)
         return Page([Task.from_json(t) for t in data["results"]], data.get("next"))
@@ -460,10 +610,22 @@ class Client:
         status: str | None = None,
         queue: str | None = None,
         leased_by: str | None = None,
+        parent: TaskRef | None = None,
+        blocked: bool | None = None,
+        depends_on: TaskRef | None = None,
         page_size: int | None = None,
     ) -> Iterator[Task]:
-        """Yield every matching task, newest first, fetching page after page."""
-        params = _drop_none(status=status, queue=queue, leased_by=leased_by, limit=page_size)
+        """Yield every matching task (filters as in :meth:`list_tasks`), newest first,
+        fetching page after page."""
+        params = _task_filters(
+            status=status,
+            queue=queue,
+            leased_by=leased_by,
+            parent=parent,
+            blocked=blocked,
+            depends_on=depends_on,
+            limit=page_size,
+        )
         for data in self._pages("/tasks/", params):
             yield Task.from_json(data)
 
@@ -492,24 +654,37 @@ class Client:
         # The server answers after up to ``wait`` seconds: the read may take that long.
         timeout = self.timeout + min(float(wait), MAX_WAIT) if wait else None
         data = self._request("POST", "/tasks/claim/", body=body, timeout=timeout)
+        received = time.monotonic()
         now = datetime.now(UTC)
         claimed = []
         for raw in data["tasks"]:
             fields = _task_fields(raw)
+            until = fields["leased_until"] or now
+            began = fields["attempt_started_at"]  # the claim's time on the server's clock
+            claimed_at = sent
+            if began is not None:
+                # A claim that waited was sent up to ``wait`` seconds before the server
+                # claimed the task: counting the lease from the sending could make it run
+                # out here before it was even renewed. Its age by the two clocks, within
+                # the time the request took, places the claim (a skewed clock errs
+                # within that span).
+                age = min(max((now - began).total_seconds(), 0.0), received - sent)
+                claimed_at = received - age
             if lease_seconds is not None:
                 length = float(lease_seconds)
+            elif began is not None:
+                length = max(1.0, (until - began).total_seconds())
             else:
                 # The server's default length, estimated by what is left of it now: a bit
                 # short (by the answer's travel time), so the lease's deadline as counted
                 # from ``sent`` errs early. A skewed clock skews the estimate.
-                until = fields["leased_until"] or now
                 length = max(1.0, (until - now).total_seconds())
             claimed.append(
                 ClaimedTask(
                     **fields,
                     lease_token=raw["lease_token"],
                     lease_seconds=length,
-                    claimed_at=sent,
+                    claimed_at=claimed_at,
                 )
             )
         return claimed
@@ -589,6 +764,34 @@ class Client:
         body = _drop_none(note=note)
         path = f"/tasks/{_task_id(task)}/cancel/"
         return Task.from_json(self._request("POST", path, body=body))
+
+    def comment(self, task: TaskRef, body: str) -> Event:
+        """Add a comment (a ``commented`` event) to the task's history, in any status.
+
+        A comment whose answer was lost is not sent again: it could appear twice.
+        """
+        path = f"/tasks/{_task_id(task)}/comments/"
+        return Event.from_json(self._request("POST", path, body={"body": body}))
+
+    # -- queues and agents ---------------------------------------------------------------
+
+    def queues(self) -> list[Queue]:
+        """Return every queue that has tasks, with its counts and whether it is paused."""
+        return [Queue.from_json(q) for q in _items(self._request("GET", "/queues/"))]
+
+    def pause_queue(self, name: str, *, note: str | None = None) -> Queue:
+        """Staff: stop handing out the queue's tasks (leases already held run on)."""
+        body = _drop_none(note=note)
+        return Queue.from_json(self._request("POST", f"/queues/{name}/pause/", body=body))
+
+    def resume_queue(self, name: str, *, note: str | None = None) -> Queue:
+        """Staff: hand out the queue's tasks again (waiting claims wake)."""
+        body = _drop_none(note=note)
+        return Queue.from_json(self._request("POST", f"/queues/{name}/resume/", body=body))
+
+    def agents(self) -> list[Agent]:
+        """Return every user that has claimed a task: what it holds, when it was last seen."""
+        return [Agent.from_json(a) for a in _items(self._request("GET", "/agents/"))]
 
     # -- events --------------------------------------------------------------------------
 
@@ -735,8 +938,13 @@ class Client:
         timeout: float | None = None,
         idempotent: bool | None = None,
         retries: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
-        """Send a request to ``API + path``; return its JSON, or raise a TaskboardError."""
+        """Send a request to ``API + path``; return its JSON, or raise a TaskboardError.
+
+        ``idempotent``: whether sending it again after a lost answer is harmless (default:
+        for GET only). Every retry sends the same ``body`` and ``headers``.
+        """
         retries = self.retries if retries is None else retries
         repeatable = method == "GET" if idempotent is None else idempotent
         request_timeout: Any = httpx.USE_CLIENT_DEFAULT
@@ -748,7 +956,12 @@ class Client:
             cause: BaseException | None = None
             try:
                 response = self._http.request(
-                    method, API + path, json=body, params=params, timeout=request_timeout
+                    method,
+                    API + path,
+                    json=body,
+                    params=params,
+                    headers=headers,
+                    timeout=request_timeout,
                 )
             except _UNSENT as exc:
                 failure: TaskboardError = Unavailable(
@@ -828,15 +1041,21 @@ class Lease:
 
     The thread heartbeats every ``interval`` seconds (a third of the lease by default). The
     lease is lost when a heartbeat is refused (``409 lease_lost``: it expired and someone
-    else claimed the task, or a human acted on it), or when no heartbeat got through
-    before the lease ran out (the server unreachable). The moment either happens,
+    else claimed the task, or a human acted on it), when no heartbeat got through before
+    the lease ran out (the server unreachable), or when the task's attempt deadline
+    (``max_attempt_seconds`` after the claim) passes. The moment either happens,
     :attr:`lost` turns true, :meth:`wait_lost` returns and ``on_lost(lease)`` is called
     (from the heartbeat thread): stop working on the task, its result would be refused.
 
+    :meth:`report_progress` hands the thread a progress value to send: with the next
+    heartbeat, brought forward so that it goes within ``progress_interval`` seconds
+    (one a second by default) of the previous one. Only the latest value is sent.
+
     Finish with :meth:`complete`, :meth:`fail`, :meth:`release` or :meth:`escalate`, which
-    stop the heartbeats first. Used as a context manager, a block that raises fails the
-    task with the exception (a ``KeyboardInterrupt`` releases it), and a block that ends
-    without finishing the task releases it.
+    stop the heartbeats first (the last three send a progress not sent yet, so that the
+    next attempt resumes from it). Used as a context manager, a block that raises fails
+    the task with the exception (a ``KeyboardInterrupt`` releases it), and a block that
+    ends without finishing the task releases it.
     """
 
     def __init__(
@@ -846,6 +1065,7 @@ class Lease:
         *,
         on_lost: Callable[[Lease], None] | None = None,
         interval: float | None = None,
+        progress_interval: float = 1.0,
     ) -> None:
         self.client = client
         self.task = task
@@ -856,12 +1076,28 @@ class Lease:
         self.on_lost = on_lost
         self.lease_seconds = max(task.lease_seconds, 0.001)
         self.interval = interval if interval is not None else self.lease_seconds / 3
+        self.progress_interval = progress_interval
         started = task.claimed_at or time.monotonic()
+        # Local monotonic time by which the attempt ends (as the lease's deadline, counted
+        # from the claim as the client placed it).
+        self._attempt_ends = (
+            started + task.max_attempt_seconds
+            if task.max_attempt_seconds is not None
+            else float("inf")
+        )
         # Local monotonic time by which the lease has surely run out, unless renewed.
-        self._deadline = started + self.lease_seconds
+        self._deadline = min(started + self.lease_seconds, self._attempt_ends)
         self._next_beat = started + self.interval
+        # No heartbeat for progress before this (one was sent less than a second ago).
+        self._not_before = started + progress_interval
+        # The latest progress reported, its number, and the number of the last one sent.
+        self._progress: Any = None
+        self._reported = 0
+        self._sent = 0
+        self._progress_lock = threading.Lock()
         self._lost = threading.Event()
         self._stopping = threading.Event()
+        self._wake = threading.Event()
         self._finished = False
         self._started = False
         self._thread = threading.Thread(
@@ -892,6 +1128,7 @@ class Lease:
     def stop(self) -> None:
         """Stop heartbeating (without touching the task) and wait for the thread to end."""
         self._stopping.set()
+        self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -906,21 +1143,39 @@ class Lease:
         self._renewed(task, sent)
         return task
 
+    def report_progress(self, progress: Any) -> None:
+        """Have the heartbeat thread send ``progress`` (any JSON value but null) soon.
+
+        It returns at once. A value reported before the previous one went out replaces
+        it. The server keeps the latest on the task, and the next claim of the task
+        (after a fail, a release or a lost lease) returns it, so that the next attempt
+        resumes from there. A value the server refuses (too large, say) is logged and
+        dropped; the heartbeats go on without it.
+        """
+        if progress is None:
+            return
+        with self._progress_lock:
+            self._progress = progress
+            self._reported += 1
+        self._wake.set()
+
     def complete(self, result: Any = None) -> Task:
         """Stop heartbeating and complete the task with ``result``."""
         return self._finish(lambda: self.client.complete(self.task, result=result))
 
     def fail(self, error: str, *, retry_after: int | None = None) -> Task:
         """Stop heartbeating and fail the task (a strike) with ``error``."""
-        return self._finish(lambda: self.client.fail(self.task, error, retry_after=retry_after))
+        return self._finish(
+            lambda: self.client.fail(self.task, error, retry_after=retry_after), progress=True
+        )
 
     def release(self) -> Task:
         """Stop heartbeating and give the task back without a strike."""
-        return self._finish(lambda: self.client.release(self.task))
+        return self._finish(lambda: self.client.release(self.task), progress=True)
 
     def escalate(self, reason: str) -> Task:
         """Stop heartbeating and hand the task to the humans."""
-        return self._finish(lambda: self.client.escalate(self.task, reason))
+        return self._finish(lambda: self.client.escalate(self.task, reason), progress=True)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -949,12 +1204,17 @@ class Lease:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _finish(self, call: Callable[[], Task]) -> Task:
+    def _finish(self, call: Callable[[], Task], *, progress: bool = False) -> Task:
         # Heartbeats stop first; one already in flight is harmless, and a refusal it gets
         # after this point is not a loss (see _run).
         self._finished = True
         self._stopping.set()
+        self._wake.set()
         try:
+            if progress and self._unsent_progress()[1]:
+                # Let a heartbeat in flight land first, so the progress goes out once.
+                self.stop()
+                self._send_progress()
             task = call()
         except LeaseLost as exc:
             self._lose(exc, notify=False)
@@ -962,10 +1222,44 @@ class Lease:
         self.latest = task
         return task
 
+    def _send_progress(self) -> None:
+        """Send the progress not sent yet, if any, with a heartbeat of its own."""
+        progress, number = self._unsent_progress()
+        if progress is None:
+            return
+        try:
+            self.latest = self.client.heartbeat(self.task, progress=progress)
+        except (ValidationError, PayloadTooLarge) as exc:
+            logger.warning("task %s: progress refused (%s); dropped", self.task.id, exc)
+        except LeaseLost:
+            raise
+        except TaskboardError as exc:
+            logger.warning("task %s: could not send its progress: %s", self.task.id, exc)
+            return
+        self._mark_sent(number)
+
+    def _unsent_progress(self) -> tuple[Any, int]:
+        """Return the latest progress and its number, or (None, 0) when it was sent."""
+        with self._progress_lock:
+            if self._sent == self._reported:
+                return None, 0
+            return self._progress, self._reported
+
+    def _mark_sent(self, number: int) -> None:
+        with self._progress_lock:
+            self._sent = max(self._sent, number)
+
+    def _due(self) -> float:
+        """Return when the next heartbeat is due: brought forward for unsent progress."""
+        with self._progress_lock:
+            unsent = self._sent != self._reported
+        return min(self._next_beat, self._not_before) if unsent else self._next_beat
+
     def _renewed(self, task: Task, sent: float) -> None:
         self.latest = task
-        # The server set leased_until = (its now) + lease, and its now came after ``sent``.
-        self._deadline = max(self._deadline, sent + self.lease_seconds)
+        # The server set leased_until = (its now) + lease, and its now came after ``sent``;
+        # it never extends the lease past the attempt deadline.
+        self._deadline = min(max(self._deadline, sent + self.lease_seconds), self._attempt_ends)
         self._next_beat = sent + self.interval
 
     def _lose(self, error: TaskboardError, *, notify: bool = True) -> None:
@@ -979,24 +1273,41 @@ class Lease:
             except Exception:
                 logger.exception("task %s: the on_lost callback failed", self.task.id)
 
+    def _ran_out(self) -> LeaseLost:
+        if self._deadline >= self._attempt_ends:
+            return LeaseLost(
+                f"The attempt deadline passed (max_attempt_seconds "
+                f"{self.task.max_attempt_seconds}).",
+                code="attempt_deadline",
+            )
+        return LeaseLost("The lease ran out before a heartbeat got through.")
+
     def _run(self) -> None:
         pause = 0.25
         while True:
             now = time.monotonic()
             if now >= self._deadline:
-                self._lose(LeaseLost("The lease ran out before a heartbeat got through."))
+                self._lose(self._ran_out())
                 return
-            if self._stopping.wait(min(self._next_beat, self._deadline) - now):
+            # Woken early by stop() and by report_progress().
+            self._wake.wait(max(0.0, min(self._due(), self._deadline) - now))
+            self._wake.clear()
+            if self._stopping.is_set():
                 return
             now = time.monotonic()
-            if now < self._next_beat:
-                continue  # woke for the deadline check
+            if now < self._due():
+                continue  # woke for the deadline check, or progress that must wait
             if now >= self._deadline:
                 continue
+            progress, number = self._unsent_progress()
+            self._not_before = now + self.progress_interval
             try:
                 # No retries inside: this loop retries, and must notice the deadline.
                 task = self.client.heartbeat(
-                    self.task, timeout=max(0.5, self._deadline - now), retries=0
+                    self.task,
+                    progress=progress,
+                    timeout=max(0.5, self._deadline - now),
+                    retries=0,
                 )
             except Unavailable as exc:
                 if self._stopping.is_set():
@@ -1006,10 +1317,17 @@ class Lease:
                 pause = min(pause * 2, 5.0)
                 continue
             except TaskboardError as exc:
-                if not self._stopping.is_set():
-                    self._lose(exc)
+                if self._stopping.is_set():
+                    return
+                if progress is not None and isinstance(exc, ValidationError | PayloadTooLarge):
+                    # The progress was refused, not the lease: drop it, heartbeat without.
+                    logger.warning("task %s: progress refused (%s); dropped", self.task.id, exc)
+                    self._mark_sent(number)
+                    continue
+                self._lose(exc)
                 return
             pause = 0.25
+            self._mark_sent(number)
             if self._stopping.is_set():
                 return
             self._renewed(task, now)

@@ -56,6 +56,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _whole_seconds(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
+
+
+def _task_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not task ids: {text}") from None
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -82,8 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
             "TASKBOARD_ATTEMPT in its environment, keeping the lease alive while it runs.\n"
             "Exit 0 completes the task with stdout as the result (JSON when it parses);\n"
             "any other exit fails it with the tail of stderr. A command whose lease is lost\n"
-            "is stopped. SIGINT/SIGTERM: stop claiming, let running commands finish for up\n"
-            "to --grace seconds, then stop them and release their tasks."
+            "(or whose attempt deadline passes) is stopped. SIGINT/SIGTERM: stop claiming,\n"
+            "let running commands finish for up to --grace seconds, then stop them and\n"
+            "release their tasks.\n"
+            "\n"
+            "Progress: TASKBOARD_PROGRESS holds the JSON progress the task's previous\n"
+            "attempts reported (null when none). Each line of JSON the command writes to\n"
+            "the file descriptor TASKBOARD_PROGRESS_FD is its progress so far; the latest\n"
+            "goes to the server within a second or so. In any shell:\n"
+            "  echo '{\"done\": 40}' > /dev/fd/$TASKBOARD_PROGRESS_FD\n"
+            "Lines that are not JSON are logged and ignored.\n"
+            "\n"
+            "Failures: a failed task is due again after --retry-after seconds, or, by\n"
+            "default, after a backoff: --backoff seconds after the first strike, doubling\n"
+            "with each one, at most --max-backoff, less up to a quarter at random."
         ),
     )
     _connection_options(work)
@@ -124,6 +150,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long each claim waits for work, at most 60 (default: %(default)g)",
     )
+    retry = work.add_mutually_exclusive_group()
+    retry.add_argument(
+        "--retry-after",
+        type=_whole_seconds,
+        metavar="SECONDS",
+        help="a failed task is due again after this long (0: at once), instead of a backoff",
+    )
+    retry.add_argument(
+        "--backoff",
+        type=_whole_seconds,
+        default=10,
+        metavar="SECONDS",
+        help="the wait after a task's first failure, doubled for each further one "
+        "(default: %(default)s)",
+    )
+    work.add_argument(
+        "--max-backoff",
+        type=_whole_seconds,
+        default=600,
+        metavar="SECONDS",
+        help="the longest wait after a failure (default: %(default)s)",
+    )
     work.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     submit = commands.add_parser(
@@ -131,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="create tasks",
         description=(
             "Create a task for each TITLE, or, with '-', one for each line of JSON objects "
-            "on stdin (fields as in POST /api/v1/tasks/; the options give their defaults). "
-            "Prints each new task's id, or its JSON with --json."
+            "on stdin (fields as in POST /api/v1/tasks/, and idempotency_key; the options "
+            "give their defaults). Prints each new task's id, or its JSON with --json. "
+            "Each create is sent with an Idempotency-Key (a line's idempotency_key, or a "
+            "random one), so that a retry after a lost answer creates nothing twice."
         ),
     )
     _connection_options(submit)
@@ -144,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--description")
     submit.add_argument("--max-failures", type=_positive_int)
     submit.add_argument("--run-after", metavar="TIME", help="ISO 8601, with a UTC offset")
+    submit.add_argument(
+        "--depends-on",
+        type=_task_ids,
+        action="extend",
+        metavar="ID[,ID...]",
+        help="tasks that must be done first (repeat or separate with commas)",
+    )
+    submit.add_argument("--parent", type=_positive_int, metavar="ID", help="a subtask of this task")
+    submit.add_argument(
+        "--max-attempt-seconds",
+        type=_positive_int,
+        metavar="SECONDS",
+        help="how long one attempt may hold the task, however often it heartbeats",
+    )
     submit.add_argument("--json", action="store_true", help="print each task as a JSON line")
 
     tasks = commands.add_parser(
@@ -156,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--status", "-s", choices=STATUSES)
     tasks.add_argument("--queue", "-q")
     tasks.add_argument("--leased-by", metavar="USER")
+    tasks.add_argument("--parent", type=_positive_int, metavar="ID", help="subtasks of this task")
+    tasks.add_argument(
+        "--depends-on", type=_positive_int, metavar="ID", help="tasks that wait for this one"
+    )
+    blocked = tasks.add_mutually_exclusive_group()
+    blocked.add_argument(
+        "--blocked",
+        action="store_true",
+        default=None,
+        help="only tasks waiting for a dependency",
+    )
+    blocked.add_argument(
+        "--not-blocked",
+        dest="blocked",
+        action="store_false",
+        help="only tasks not waiting for one",
+    )
     tasks.add_argument(
         "--limit",
         "-n",
@@ -214,6 +295,9 @@ def work(client: Client, args: argparse.Namespace) -> int:
         lease_seconds=args.lease,
         wait=min(args.wait, 60.0),
         grace=args.grace,
+        retry_after=args.retry_after,
+        backoff=args.backoff,
+        max_backoff=args.max_backoff,
     )
     return Worker(client, options, Display()).run()
 
@@ -228,6 +312,9 @@ def submit(client: Client, args: argparse.Namespace) -> int:
             "description": args.description,
             "max_failures": args.max_failures,
             "run_after": args.run_after,
+            "depends_on": args.depends_on,
+            "parent_id": args.parent,
+            "max_attempt_seconds": args.max_attempt_seconds,
         }.items()
         if value is not None
     }
@@ -268,6 +355,9 @@ def list_tasks(client: Client, args: argparse.Namespace) -> int:
         status=args.status,
         queue=args.queue,
         leased_by=args.leased_by,
+        parent=args.parent,
+        blocked=args.blocked,
+        depends_on=args.depends_on,
         page_size=min(limit, 1000) if limit else 1000,
     )
     tasks: list[Task] = []

@@ -2,14 +2,26 @@
 
 For each claimed task the command runs once, with the task's JSON on stdin and
 ``TASKBOARD_TASK_ID``, ``TASKBOARD_TASK_QUEUE``, ``TASKBOARD_TASK_TITLE``,
-``TASKBOARD_LEASE_TOKEN``, ``TASKBOARD_URL``, ``TASKBOARD_TOKEN`` and ``TASKBOARD_ATTEMPT``
-(1 on the first try) in its environment. While it runs, a thread heartbeats the lease.
+``TASKBOARD_LEASE_TOKEN``, ``TASKBOARD_URL``, ``TASKBOARD_TOKEN``, ``TASKBOARD_ATTEMPT``
+(1 on the first try), ``TASKBOARD_PROGRESS`` and ``TASKBOARD_PROGRESS_FD`` in its
+environment. While it runs, a thread heartbeats the lease.
 
+- Progress: ``TASKBOARD_PROGRESS`` is the JSON of the progress the previous attempts
+  reported (``null`` when none), so that the command resumes instead of starting over.
+  Each line of JSON the command writes to file descriptor ``TASKBOARD_PROGRESS_FD`` (a
+  pipe) is the progress so far: the latest is sent with a heartbeat within a second or
+  so. Lines that are not JSON (or null, or over ``MAX_PROGRESS_BYTES``) are logged and
+  ignored.
 - Exit status 0: the task is completed with the command's stdout as its result (the JSON
   value when stdout parses as JSON, else the text; null when it is empty).
-- Any other exit: the task fails (a strike) with the exit status and the tail of stderr.
-- The lease is lost (it ran out, and another agent claimed the task): the command is
-  stopped at once (SIGTERM, then SIGKILL), and nothing is reported; the task is not ours.
+- Any other exit: the task fails (a strike) with the exit status and the tail of stderr,
+  and is due again after ``--retry-after`` seconds, or by default after a backoff that
+  doubles with each strike (``--backoff`` seconds at first, at most ``--max-backoff``,
+  less up to a quarter at random), so that a failing command does not spend all its
+  strikes at once.
+- The lease is lost (it ran out, and another agent claimed the task; or the task's
+  attempt deadline passed): the command is stopped at once (SIGTERM, then SIGKILL), and
+  nothing is reported; the task is not ours.
 - SIGINT or SIGTERM to the worker: it stops claiming, lets running commands finish for up
   to ``grace`` seconds, then stops the rest and releases their tasks (no strike). A second
   signal skips the rest of the grace period.
@@ -24,12 +36,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
@@ -52,14 +66,28 @@ from taskboard.client import (
 STDERR_TAIL_CHARS = 4000
 # The server refuses bodies over 1 MiB: a larger stdout cannot be a result.
 MAX_STDOUT_BYTES = 1024 * 1024
+# A progress line longer than this is ignored: progress is a checkpoint, kept on the task
+# and in every heartbeat event that reports it, not a second result.
+MAX_PROGRESS_BYTES = 64 * 1024
+# Malformed progress lines logged for one run; later ones are ignored silently.
+MAX_PROGRESS_COMPLAINTS = 10
 # Why a command was stopped.
 LEASE_LOST = "lease lost"
 SHUTDOWN = "shutdown"
+# The progress variables set for each command (one inherited from a worker that runs
+# this worker is not passed on).
+PROGRESS_VARIABLE = "TASKBOARD_PROGRESS"
+PROGRESS_FD_VARIABLE = "TASKBOARD_PROGRESS_FD"
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How ``taskboard work`` claims and runs (see ``taskboard work --help``)."""
+    """How ``taskboard work`` claims and runs (see ``taskboard work --help``).
+
+    ``retry_after``: seconds a failed task waits before its next attempt; None: back off,
+    ``backoff`` seconds after the first strike, doubling with each, at most
+    ``max_backoff`` (see :func:`retry_delay`).
+    """
 
     command: list[str]
     url: str
@@ -70,6 +98,23 @@ class WorkerOptions:
     wait: float = 30.0
     grace: float = 30.0
     kill_grace: float = 5.0
+    retry_after: int | None = None
+    backoff: int = 10
+    max_backoff: int = 600
+
+
+def retry_delay(strikes: int, options: WorkerOptions, rng: random.Random | None = None) -> int:
+    """Return the ``retry_after`` of a task's failure, ``strikes`` counted before it.
+
+    ``options.retry_after`` when set; else ``backoff * 2**strikes`` seconds, at most
+    ``max_backoff``, less up to a quarter at random (so that tasks that failed together do
+    not come back together), in whole seconds as the API takes them. Below the cap, each
+    strike waits longer than the one before.
+    """
+    if options.retry_after is not None:
+        return options.retry_after
+    nominal = min(options.max_backoff, options.backoff * 2 ** min(strikes, 32))
+    return round(nominal * (rng or random).uniform(0.75, 1.0))
 
 
 class Display:
@@ -177,6 +222,87 @@ class Output:
                 del self._stderr[:-keep]
 
 
+class ProgressPipe:
+    """The pipe a command reports its progress on: a line of JSON at a time.
+
+    The command gets the write end (its number in ``TASKBOARD_PROGRESS_FD``); a thread
+    reads the other and hands each value to ``report`` (the lease, which heartbeats the
+    latest). Malformed lines go to ``complain`` and are otherwise ignored.
+    """
+
+    def __init__(self, report: Callable[[Any], None], complain: Callable[[str], None]) -> None:
+        self._read, self.write_fd = os.pipe()
+        self._report = report
+        self._complain = complain
+        self._complaints = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        """Start reading; call after the command started (our write end is closed)."""
+        os.close(self.write_fd)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Close both ends, for a command that never started."""
+        os.close(self.write_fd)
+        os.close(self._read)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the lines written before the command ended (a background child may
+        hold the pipe open: then do not wait longer than ``timeout``)."""
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        with os.fdopen(self._read, "rb") as pipe:
+            while line := pipe.readline(MAX_PROGRESS_BYTES + 1):
+                if len(line) > MAX_PROGRESS_BYTES:
+                    self._ignore(f"over {MAX_PROGRESS_BYTES} bytes", line)
+                    while line and not line.endswith(b"\n"):  # skip the rest of it
+                        line = pipe.readline(MAX_PROGRESS_BYTES)
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    value = parse_progress(line)
+                except ValueError as exc:
+                    self._ignore(str(exc), line)
+                    continue
+                self._report(value)
+
+    def _ignore(self, why: str, line: bytes) -> None:
+        self._complaints += 1
+        if self._complaints > MAX_PROGRESS_COMPLAINTS:
+            return
+        text = line[:80].decode("utf-8", errors="replace").rstrip("\r\n")
+        last = self._complaints == MAX_PROGRESS_COMPLAINTS
+        more = " (later ones are not logged)" if last else ""
+        self._complain(f"progress line ignored, {why}: {text!r}{more}")
+
+
+def parse_progress(line: bytes) -> Any:
+    """Return the progress value of one line a command wrote; raise ValueError (saying
+    why) for a line that cannot be one: not JSON, null, or holding a NUL character."""
+    try:
+        value = json.loads(line, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if value is None:
+        raise ValueError("null is no progress")
+    if _holds_nul(value):
+        raise ValueError("PostgreSQL cannot store a NUL character")
+    return value
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    return False
+
+
 def _storable(text: str) -> str:
     # PostgreSQL cannot store NUL characters in text or jsonb.
     return text.replace("\x00", "\ufffd")
@@ -236,7 +362,9 @@ class Run:
         self.thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def launch(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    def launch(
+        self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()
+    ) -> subprocess.Popen[bytes] | None:
         """Start the command, unless the run was stopped before it could start."""
         with self._lock:
             if self.stopped_for is not None:
@@ -248,6 +376,7 @@ class Run:
                 stderr=subprocess.PIPE,
                 env=env,
                 start_new_session=True,
+                pass_fds=pass_fds,
             )
             return self.proc
 
@@ -490,18 +619,30 @@ class Worker:
     def _execute(self, run: Run, lease: Lease) -> str:
         """Run the command for ``run.task``; report its outcome; return what happened."""
         task = run.task
+        progress = ProgressPipe(
+            lease.report_progress, lambda message: self.display.log(f"task {task.id}: {message}")
+        )
         try:
-            proc = run.launch(self.options.command, self._environment(task))
+            proc = run.launch(
+                self.options.command,
+                self._environment(task, progress.write_fd),
+                pass_fds=(progress.write_fd,),
+            )
         except OSError as exc:
+            progress.close()
             return self._report(
                 lease, "failed", error=f"cannot run {self.options.command[0]!r}: {exc}"
             )
         if proc is None:
+            progress.close()
             return "lost"
+        progress.start()
         raw = {key: value for key, value in task.raw.items() if key != "lease_token"}
         output = Output(proc, json.dumps(raw).encode())
         returncode = proc.wait()
         output.wait()
+        # Its last progress goes out with the fail or release (a done task needs none).
+        progress.wait(timeout=1.0)
         elapsed = time.monotonic() - run.started
 
         if run.stopped_for == LEASE_LOST or lease.lost:
@@ -538,13 +679,13 @@ class Worker:
                 except (ValidationError, PayloadTooLarge) as exc:
                     # The lease is still ours: a result the server refuses is a failure.
                     error = f"exit status 0, but the result was refused: {exc}"
-                    lease.fail(error)
-                    self.display.log(f"task {task_id}: failed{took}: {error}")
+                    after = self._fail(lease, error)
+                    self.display.log(f"task {task_id}: failed{took}: {error}; {after}")
                     return "failed"
                 self.display.log(f"task {task_id}: done{took}")
             elif outcome == "failed":
-                after = lease.fail(error[:10000])
-                self.display.log(f"task {task_id}: failed{took}: {_gist(error)}; {after.status}")
+                after = self._fail(lease, error)
+                self.display.log(f"task {task_id}: failed{took}: {_gist(error)}; {after}")
             else:
                 lease.release()
                 self.display.log(f"task {task_id}: released")
@@ -556,8 +697,18 @@ class Worker:
             return "lost"
         return outcome
 
-    def _environment(self, task: ClaimedTask) -> dict[str, str]:
+    def _fail(self, lease: Lease, error: str) -> str:
+        """Fail the task (due again after the retry delay); return what became of it."""
+        retry_after = retry_delay(lease.task.failure_count, self.options)
+        after = lease.fail(error[:10000], retry_after=retry_after)
+        if after.status == "pending" and retry_after:
+            return f"pending, due again in {retry_after} s"
+        return str(after.status)
+
+    def _environment(self, task: ClaimedTask, progress_fd: int) -> dict[str, str]:
         env = dict(os.environ)
+        # A worker run by a command of another worker does not pass that one's progress on.
+        env.pop(PROGRESS_VARIABLE, None)
         env.update(
             TASKBOARD_TASK_ID=str(task.id),
             TASKBOARD_TASK_QUEUE=task.queue,
@@ -566,6 +717,9 @@ class Worker:
             TASKBOARD_URL=self.options.url,
             TASKBOARD_ATTEMPT=str(task.failure_count + 1),
         )
+        env[PROGRESS_FD_VARIABLE] = str(progress_fd)
+        if "progress" in task.raw:  # a server older than progress sends none
+            env[PROGRESS_VARIABLE] = json.dumps(task.progress)
         if self.options.token:
             env["TASKBOARD_TOKEN"] = self.options.token
         return env

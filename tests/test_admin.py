@@ -1,4 +1,5 @@
-"""The admin: the escalation queue (escalations.admin) and the read-only task and event lists.
+"""The admin: the escalation queue (escalations.admin), the read-only task and event lists,
+and the queues' pause state and log (board.admin).
 
 Escalated tasks are made as in production: created, claimed and failed (or escalated) through
 board.transitions. The admin itself must only ever call the transitions.
@@ -19,7 +20,9 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from board import transitions
-from board.models import EventType, Task, TaskEvent, TaskStatus
+from board.access import limit_queues
+from board.models import EventType, QueuePause, QueueState, Task, TaskEvent, TaskStatus
+from tests import factories
 from tests.factories import StaffFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -762,3 +765,248 @@ def test_staff_limited_to_queues_see_only_their_queues_in_the_task_and_event_lis
         client.get(reverse("admin:board_taskevent_change", args=[their_event.pk])).status_code
         == 302
     )
+
+
+# -- The escalated task's work graph, progress and comments -----------------------------
+
+
+def comment_url(task_id: int) -> str:
+    return reverse("admin:escalations_escalatedtask_comment", args=[task_id])
+
+
+def test_the_escalated_task_page_shows_its_dependencies_dependents_and_progress(
+    triager_client: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    fetched = make_task(title="fetch prices", queue="prices")
+    task = make_task(title="import prices", queue="prices", depends_on=[fetched.id], max_failures=1)
+    waiting = make_task(title="publish prices", queue="prices", depends_on=[task.id])
+    [claim] = transitions.claim(actor=agent, queues=["prices"])
+    transitions.complete(task_id=fetched.id, actor=agent, lease_token=claim.lease_token)
+    [claim] = transitions.claim(actor=agent, queues=["prices"])
+    assert claim.task.pk == task.pk
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"rows": 120}
+    )
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad")
+
+    response = triager_client.get(change_url(task.pk))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "Work graph" in page
+    assert f'<a href="/tasks/{fetched.id}/">#{fetched.id} fetch prices</a> (done)' in page
+    assert (
+        f'<a href="/tasks/{waiting.id}/">#{waiting.id} publish prices</a> (pending, blocked)'
+        in page
+    )
+    assert "<pre>{\n  &quot;rows&quot;: 120\n}</pre>" in page, (
+        "the progress, kept after the failure"
+    )
+    relations = response.context["relations"]
+    assert [item["id"] for item in relations["dependencies"]] == [fetched.id]
+    assert [item["id"] for item in relations["dependents"]] == [waiting.id]
+
+
+def test_anyone_who_may_see_an_escalated_task_comments_on_it_from_its_page(
+    watcher: Any, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(queue="billing")
+    client = logged_in(watcher)
+    page = client.get(change_url(task.pk)).content.decode()
+    assert f'action="{comment_url(task.pk)}"' in page
+    assert 'name="body"' in page
+
+    response = client.post(
+        f"{comment_url(task.pk)}?_changelist_filters=queue%3Dbilling",
+        {"body": "Asked the supplier for a new file."},
+    )
+
+    assert response.status_code == 302
+    assert response["Location"] == (
+        f"{change_url(task.pk)}?_changelist_filters=queue%3Dbilling#comment"
+    )
+    assert messages_of(response) == [f"Commented on task {task.pk}."]
+    event = last_event(task.pk)
+    assert (event.type, event.status, event.actor, event.payload) == (
+        "commented",
+        "escalated",
+        "ops-bob",
+        {"body": "Asked the supplier for a new file."},
+    )
+    assert state_of(task.pk)["status"] == TaskStatus.ESCALATED, "a comment changes nothing else"
+    history_page = client.get(change_url(task.pk)).content.decode()
+    assert "Asked the supplier for a new file." in history_page
+
+
+@pytest.mark.parametrize("body", ["", "  \n "])
+def test_a_blank_comment_in_the_admin_records_nothing_and_says_why(
+    triager_client: Client, escalated: Callable[..., Task], body: str
+) -> None:
+    task = escalated()
+    before = history(task.pk)
+
+    response = triager_client.post(comment_url(task.pk), {"body": body})
+
+    assert response.status_code == 302
+    assert response["Location"] == f"{change_url(task.pk)}#comment"
+    assert messages_of(response) == ["The comment is empty: write something to post."]
+    assert history(task.pk) == before
+
+
+def test_a_comment_on_a_task_that_left_the_queue_is_kept_and_leads_back_to_the_queue(
+    triager_client: Client, escalated: Callable[..., Task], staff: Any
+) -> None:
+    task = escalated()
+    transitions.requeue(task_id=task.pk, actor=staff)
+
+    response = triager_client.post(comment_url(task.pk), {"body": "requeued it, watch it"})
+
+    assert response["Location"] == QUEUE_URL
+    assert last_event(task.pk).type == "commented"
+
+
+def test_commenting_in_the_admin_is_a_post_for_staff_who_may_see_the_task(
+    agent: Any, escalated: Callable[..., Task], triager_client: Client
+) -> None:
+    task = escalated(queue="ours")
+    before = history(task.pk)
+
+    assert triager_client.get(comment_url(task.pk)).status_code == 405
+    not_staff = logged_in(agent).post(comment_url(task.pk), {"body": "hi"})
+    assert not_staff.status_code == 302
+    assert not_staff["Location"].startswith(reverse("admin:login"))
+    no_view = logged_in(StaffFactory(username="ops-carol")).post(
+        comment_url(task.pk), {"body": "x"}
+    )
+    assert no_view.status_code == 403
+    limited = grant(StaffFactory(username="ops-dan"), "view_escalatedtask")
+    limit_queues(limited, ["theirs"])
+    elsewhere = logged_in(limited).post(comment_url(task.pk), {"body": "hi"})
+    assert elsewhere.status_code == 302
+    assert messages_of(elsewhere) == [f"There is no task {task.pk}."]
+    assert history(task.pk) == before
+
+
+# -- Queues: state and the log of pauses ------------------------------------------------
+
+STATES_URL = reverse("admin:board_queuestate_changelist")
+PAUSES_URL = reverse("admin:board_queuepause_changelist")
+
+
+@pytest.fixture
+def queue_triager(triager: Any) -> Any:
+    return factories.grant(triager, "board.view_queuestate", "board.view_queuepause")
+
+
+def test_pauses_and_resumes_are_listed_with_actor_and_note(queue_triager: Any, staff: Any) -> None:
+    transitions.pause_queue(queue="mail", actor=staff, note="relay down")
+    transitions.resume_queue(queue="mail", actor=staff)
+    transitions.pause_queue(queue="images", actor=staff)
+    client = logged_in(queue_triager)
+
+    states = client.get(STATES_URL)
+    log = client.get(PAUSES_URL)
+
+    assert [(s.name, s.paused) for s in states.context["cl"].result_list] == [
+        ("images", True),
+        ("mail", False),
+    ]
+    rows = [(p.queue, p.paused, p.actor, p.note) for p in log.context["cl"].result_list]
+    assert rows == [
+        ("images", True, "ops-alice", ""),
+        ("mail", False, "ops-alice", ""),
+        ("mail", True, "ops-alice", "relay down"),
+    ]
+    assert "relay down" in log.content.decode()
+    assert "resumed" in log.content.decode()
+
+
+def test_the_pause_action_asks_for_a_note_then_pauses_through_the_transition(
+    queue_triager: Any, staff: Any, make_task: Callable[..., Task], agent: Any
+) -> None:
+    make_task(queue="mail")
+    transitions.resume_queue(queue="mail", actor=staff)  # a row to select
+    transitions.pause_queue(queue="images", actor=staff)
+    client = logged_in(queue_triager)
+    selection = {"action": "pause", "_selected_action": ["mail", "images"]}
+
+    asked = client.post(STATES_URL, selection)
+    assert asked.status_code == 200
+    assert asked.context["queues"] == ["mail"]
+    assert "1 of the selected queues is already paused" in asked.content.decode()
+    assert QueueState.objects.get(name="mail").paused is False
+
+    done = client.post(STATES_URL, {**selection, "confirm": "yes", "note": "maintenance"})
+
+    assert done.status_code == 302
+    assert messages_of(done) == ["Paused 1 queue; skipped 1 already paused."]
+    mail = QueueState.objects.get(name="mail")
+    assert (mail.paused, mail.changed_by, mail.note) == (True, "ops-alice", "maintenance")
+    assert QueuePause.objects.filter(queue="mail", paused=True, actor="ops-alice").count() == 1
+    assert transitions.claim(actor=agent, queues=["mail"]) == []
+
+    resumed = client.post(
+        STATES_URL,
+        {"action": "resume", "_selected_action": ["mail"], "confirm": "yes", "note": ""},
+    )
+    assert messages_of(resumed)[-1] == "Resumed 1 queue."
+    assert QueueState.objects.get(name="mail").paused is False
+    assert len(transitions.claim(actor=agent, queues=["mail"])) == 1
+
+
+def test_staff_without_the_triage_permission_pause_queues_as_in_the_api(
+    staff: Any, db: None
+) -> None:
+    transitions.resume_queue(queue="mail", actor=staff)
+    viewer = factories.grant(
+        StaffFactory(username="ops-bob"), "board.view_queuestate", "board.view_queuepause"
+    )
+    client = logged_in(viewer)
+
+    listing = client.get(STATES_URL)
+    client.post(
+        STATES_URL,
+        {"action": "pause", "_selected_action": ["mail"], "confirm": "yes", "note": "x"},
+    )
+
+    assert listing.status_code == 200
+    assert listing.context["action_form"] is not None
+    assert QueueState.objects.get(name="mail").paused is True
+    assert QueuePause.objects.filter(actor="ops-bob", paused=True, note="x").exists()
+
+
+@pytest.mark.parametrize("admin_name", ["board_queuestate", "board_queuepause"])
+def test_no_one_adds_edits_or_deletes_queue_states_or_pauses(
+    admin_client: Client, staff: Any, admin_name: str
+) -> None:
+    transitions.pause_queue(queue="mail", actor=staff, note="original")
+    object_id = "mail" if admin_name == "board_queuestate" else QueuePause.objects.get().pk
+
+    assert admin_client.get(reverse(f"admin:{admin_name}_add")).status_code == 403
+    delete_url = reverse(f"admin:{admin_name}_delete", args=[object_id])
+    assert admin_client.post(delete_url, {"post": "yes"}).status_code == 403
+    change = reverse(f"admin:{admin_name}_change", args=[object_id])
+    assert admin_client.post(change, {"note": "edited", "paused": ""}).status_code == 403
+    assert QueueState.objects.get(name="mail").note == "original"
+    assert QueuePause.objects.get().note == "original"
+
+
+def test_staff_limited_to_queues_see_and_pause_only_their_queues_in_the_admin(
+    queue_triager: Any, staff: Any
+) -> None:
+    for name in ("ours", "theirs"):
+        transitions.resume_queue(queue=name, actor=staff)
+    limit_queues(queue_triager, ["ours"])
+    client = logged_in(queue_triager)
+
+    states = client.get(STATES_URL)
+    log = client.get(PAUSES_URL)
+    client.post(
+        STATES_URL,
+        {"action": "pause", "_selected_action": ["ours", "theirs"], "confirm": "yes"},
+    )
+
+    assert [s.name for s in states.context["cl"].result_list] == ["ours"]
+    assert {p.queue for p in log.context["cl"].result_list} == {"ours"}
+    assert QueueState.objects.get(name="ours").paused is True
+    assert QueueState.objects.get(name="theirs").paused is False

@@ -72,8 +72,7 @@ def test_a_task_with_dependencies_is_blocked_until_they_are_done(agent_api: APIC
 @pytest.mark.parametrize(
     ("depends_on", "message"),
     [
-        ([999_999], "No such task: 999999."),
-        ("dup", "List each task once."),
+        ("dup", "List each item once."),
         ("many", "Ensure this field has no more than 100 elements."),
         (["1"], "Must be an integer."),
         ([0], "Ensure this value is greater than or equal to 1."),
@@ -96,6 +95,18 @@ def test_dependencies_must_be_existing_distinct_tasks(
     assert Task.objects.count() == 1
 
 
+@pytest.mark.parametrize("field", ["depends_on", "parent_id"])
+def test_a_missing_dependency_or_parent_is_not_found(agent_api: APIClient, field: str) -> None:
+    existing = create(agent_api)["id"]
+    value = [existing, 999_999] if field == "depends_on" else 999_999
+
+    response = post(agent_api, "tasks/", {"title": "x", field: value})
+
+    body = assert_error(response, 404, "not_found")
+    assert body["detail"] == f"Task 999999 does not exist ({field})."
+    assert Task.objects.count() == 1
+
+
 def test_subtasks_are_listed_by_parent(agent_api: APIClient) -> None:
     parent = create(agent_api, title="the whole job")
     [held] = claim(agent_api)
@@ -107,8 +118,6 @@ def test_subtasks_are_listed_by_parent(agent_api: APIClient) -> None:
     assert [t["id"] for t in listed] == [c["id"] for c in reversed(children)]
     assert all(t["parent_id"] == parent["id"] for t in listed)
     assert held["id"] == parent["id"]
-    body = assert_error(post(agent_api, "tasks/", {"title": "x", "parent_id": 999_999}), 400)
-    assert body["fields"]["parent_id"] == ["No such task: 999999."]
 
 
 def test_a_limited_agent_cannot_depend_on_or_split_tasks_it_cannot_see(
@@ -121,9 +130,9 @@ def test_a_limited_agent_cannot_depend_on_or_split_tasks_it_cannot_see(
 
     for field, value in (("depends_on", [hidden]), ("parent_id", hidden)):
         body = assert_error(
-            post(client, "tasks/", {"title": "x", "queue": "mine", field: value}), 400
+            post(client, "tasks/", {"title": "x", "queue": "mine", field: value}), 404
         )
-        assert body["fields"][field] == [f"No such task: {hidden}."]
+        assert body["detail"] == f"Task {hidden} does not exist ({field})."
 
 
 def test_progress_comes_back_in_the_claim_that_resumes_the_task(

@@ -1,4 +1,5 @@
-"""The board's HTML pages (board.views): the board, a task's page, the login and the 404s.
+"""The board's HTML pages (board.views): the board with its queues and agents panels, a
+task's page with its work graph and comment form, pausing a queue, the login and the 404s.
 
 What the browser does with them (the live stream, the buttons) is in test_browser.py.
 """
@@ -17,9 +18,10 @@ from django.db import connection, transaction
 from django.test import Client
 
 from board import transitions
-from board.models import Task, TaskEvent
+from board.access import limit_queues
+from board.models import QueuePause, QueueState, Task, TaskEvent
 from board.views import stream_head_id, stream_horizon
-from tests.factories import UserFactory
+from tests.factories import StaffFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -398,3 +400,453 @@ def test_the_pages_load_their_stylesheet_and_script_from_static_files(browser: C
     assert '<link rel="stylesheet" href="/static/board/board.css">' in html
     assert '<script src="/static/board/board.js" defer></script>' in html
     assert "<style>" not in html
+
+
+# -- Blocked tasks on the board ---------------------------------------------------------
+
+
+def card_html(html: str, task_id: int) -> str:
+    """Return the markup of the board's card for ``task_id``."""
+    match = re.search(rf'<article class="[^"]*" data-task-id="{task_id}">.*?</article>', html, re.S)
+    assert match, f"a card for #{task_id}"
+    return match.group(0)
+
+
+def test_a_blocked_task_says_it_is_blocked_and_links_what_it_waits_for_with_its_status(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    first = make_task(title="fetch")
+    second = make_task(title="parse")
+    after_both = make_task(title="report", depends_on=[first.id, second.id])
+    transitions.claim(actor=agent)  # takes "fetch"
+
+    html = browser.get("/").content.decode()
+
+    blocked = card_html(html, after_both.id)
+    assert "chip-blocked" in blocked
+    assert f'<a class="blocker" href="/tasks/{first.id}/">#{first.id}</a>' in blocked
+    assert '<span class="badge badge-in_progress">in progress</span>' in blocked
+    assert f'href="/tasks/{second.id}/"' in blocked
+    assert "chip-blocked" not in card_html(html, second.id)
+    state = state_of(html)
+    card = next(task for task in state["tasks"] if task["id"] == after_both.id)
+    assert (card["blocked"], card["depends_on"]) == (True, [first.id, second.id])
+    assert state["dependencies"][str(first.id)]["status"] == "in_progress"
+    assert state["dependencies"][str(second.id)]["status"] == "pending"
+
+
+def test_a_dependency_that_is_done_no_longer_shows_among_what_a_task_waits_for(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    first, second = make_task(title="fetch"), make_task(title="parse")
+    last = make_task(title="report", depends_on=[first.id, second.id])
+    [claim] = transitions.claim(actor=agent)
+    transitions.complete(task_id=first.id, actor=agent, lease_token=claim.lease_token)
+
+    blocked = card_html(browser.get("/").content.decode(), last.id)
+
+    assert f'href="/tasks/{second.id}/"' in blocked
+    assert f'href="/tasks/{first.id}/"' not in blocked
+
+
+@pytest.mark.parametrize("outcome", ["cancelled", "escalated"])
+def test_the_dependents_of_a_cancelled_or_escalated_task_stay_blocked_and_say_by_what(
+    browser: Client, make_task: Callable[..., Task], agent: Any, staff: Any, outcome: str
+) -> None:
+    first = make_task(title="fetch", max_failures=1)
+    dependent = make_task(title="parse", depends_on=[first.id])
+    if outcome == "cancelled":
+        transitions.cancel(task_id=first.id, actor=staff)
+    else:
+        [claim] = transitions.claim(actor=agent)
+        transitions.fail(task_id=first.id, actor=agent, lease_token=claim.lease_token, error="x")
+
+    blocked = card_html(browser.get("/").content.decode(), dependent.id)
+
+    assert "chip-blocked" in blocked
+    assert f'href="/tasks/{first.id}/"' in blocked
+    assert f'<span class="badge badge-{outcome}">{outcome}</span>' in blocked
+
+
+# -- The queues and agents panels -------------------------------------------------------
+
+
+def queue_row(html: str, name: str) -> str:
+    match = re.search(rf'<tr data-queue="{name}"[^>]*>.*?</tr>', html, re.S)
+    assert match, f"a row for queue {name}"
+    return match.group(0)
+
+
+def numbers(row: str) -> dict[str, int]:
+    return {key: int(n) for key, n in re.findall(r'data-n="(\w+)">(\d+)<', row)}
+
+
+@pytest.fixture
+def pauser(db: None) -> Any:
+    """Staff, who may pause and resume queues."""
+    return StaffFactory(username="ops-pat")
+
+
+def logged_in(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_the_queues_panel_shows_each_queues_counts_and_whether_it_is_paused(
+    browser: Client, make_task: Callable[..., Task], agent: Any, pauser: Any
+) -> None:
+    first = make_task(queue="mail")
+    make_task(queue="mail", depends_on=[first.id])
+    make_task(queue="mail")
+    make_task(queue="images")
+    transitions.claim(actor=agent, queues=["images"])
+    transitions.pause_queue(queue="images", actor=pauser, note="disk full")
+
+    html = browser.get("/").content.decode()
+
+    assert numbers(queue_row(html, "mail")) == {
+        "pending": 2,
+        "blocked": 1,
+        "in_progress": 0,
+        "escalated": 0,
+        "done": 0,
+        "cancelled": 0,
+    }
+    images = queue_row(html, "images")
+    assert numbers(images)["in_progress"] == 1
+    assert "badge-paused" in images
+    assert "badge-paused" not in queue_row(html, "mail")
+    state = state_of(html)
+    assert [queue["name"] for queue in state["queues"]] == ["images", "mail"]
+    assert state["can_pause"] is False
+    assert "pause-form" not in html, "no buttons for someone who may not pause"
+
+
+def test_staff_get_a_pause_button_per_running_queue_and_resume_per_paused(
+    make_task: Callable[..., Task], pauser: Any
+) -> None:
+    make_task(queue="mail")
+    make_task(queue="images")
+    transitions.pause_queue(queue="images", actor=pauser)
+
+    html = logged_in(pauser).get("/?queue=mail").content.decode()
+
+    mail, images = queue_row(html, "mail"), queue_row(html, "images")
+    assert 'action="/queues/mail/pause/"' in mail and 'aria-label="Pause mail">Pause<' in mail
+    assert 'action="/queues/images/resume/"' in images
+    assert 'aria-label="Resume images">Resume<' in images
+    assert 'name="csrfmiddlewaretoken"' in mail
+    assert '<input type="hidden" name="next" value="/?queue=mail">' in mail
+    assert state_of(html)["can_pause"] is True
+
+
+def test_pausing_a_queue_on_the_board_records_who_and_why_and_goes_back(
+    make_task: Callable[..., Task], pauser: Any, agent: Any
+) -> None:
+    make_task(queue="mail")
+    client = logged_in(pauser)
+
+    response = client.post(
+        "/queues/mail/pause/", {"note": "the SMTP relay is down", "next": "/?queue=mail"}
+    )
+
+    assert response.status_code == 302
+    assert response["Location"] == "/?queue=mail"
+    state = QueueState.objects.get(name="mail")
+    assert (state.paused, state.changed_by, state.note) == (
+        True,
+        "ops-pat",
+        "the SMTP relay is down",
+    )
+    assert list(QueuePause.objects.values_list("queue", "paused", "actor", "note")) == [
+        ("mail", True, "ops-pat", "the SMTP relay is down")
+    ]
+    assert transitions.claim(actor=agent, queues=["mail"]) == [], "a paused queue hands out nothing"
+    page = client.get("/?queue=mail").content.decode()
+    assert "Paused mail" in page, "the page says what happened"
+
+    resumed = client.post("/queues/mail/resume/", {"note": ""})
+
+    assert resumed.status_code == 302
+    assert resumed["Location"] == "/"
+    assert QueueState.objects.get(name="mail").paused is False
+    assert QueuePause.objects.order_by("id").last().note == ""  # type: ignore[union-attr]
+    assert len(transitions.claim(actor=agent, queues=["mail"])) == 1
+
+
+def test_the_pause_form_never_sends_a_person_to_another_site(
+    make_task: Callable[..., Task], pauser: Any
+) -> None:
+    make_task(queue="mail")
+
+    response = logged_in(pauser).post("/queues/mail/pause/", {"next": "https://evil.example/"})
+
+    assert response["Location"] == "/"
+
+
+@pytest.mark.parametrize("verb", ["pause", "resume"])
+def test_only_staff_pause_or_resume_a_queue(
+    make_task: Callable[..., Task], pauser: Any, verb: str
+) -> None:
+    make_task(queue="mail")
+    if verb == "resume":
+        transitions.pause_queue(queue="mail", actor=pauser)
+    before = list(QueuePause.objects.values_list("id", flat=True))
+    user = UserFactory(username="pat")
+
+    response = logged_in(user).post(f"/queues/mail/{verb}/", {"note": "let me"})
+
+    assert response.status_code == 403
+    assert list(QueuePause.objects.values_list("id", flat=True)) == before
+    assert QueueState.objects.filter(name="mail", paused=True).exists() == (verb == "resume")
+
+
+def test_pausing_is_a_post(pauser: Any, make_task: Callable[..., Task]) -> None:
+    make_task(queue="mail")
+
+    assert logged_in(pauser).get("/queues/mail/pause/").status_code == 405
+    assert not QueueState.objects.exists()
+
+
+def test_pausing_needs_the_csrf_token(pauser: Any, make_task: Callable[..., Task]) -> None:
+    make_task(queue="mail")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(pauser)
+
+    assert client.post("/queues/mail/pause/").status_code == 403
+    assert not QueueState.objects.exists()
+
+
+def test_staff_limited_to_queues_see_and_pause_only_their_queues(
+    make_task: Callable[..., Task], pauser: Any, agent: Any, other_agent: Any
+) -> None:
+    ours, theirs = make_task(queue="ours"), make_task(queue="theirs")
+    transitions.claim(actor=agent, queues=["ours"])
+    transitions.claim(actor=other_agent, queues=["theirs"])
+    limit_queues(pauser, ["ours"])
+    client = logged_in(pauser)
+
+    html = client.get("/").content.decode()
+    refused = client.post("/queues/theirs/pause/")
+
+    state = state_of(html)
+    assert [queue["name"] for queue in state["queues"]] == ["ours"]
+    assert 'data-queue="theirs"' not in html
+    holding = {agent["name"]: agent["holding"] for agent in state["agents"]}
+    assert holding == {"agent-smith": [ours.id], "agent-jones": []}, "not another queue's task"
+    assert f"#{theirs.id}" not in html
+    assert refused.status_code == 403
+    assert not QueueState.objects.filter(name="theirs").exists()
+
+
+def test_the_agents_panel_shows_what_each_agent_holds_and_when_it_was_last_seen(
+    browser: Client, make_task: Callable[..., Task], agent: Any, other_agent: Any
+) -> None:
+    held = make_task(title="busy", queue="a")
+    finished = make_task(title="quick", queue="b")
+    transitions.claim(actor=agent, queues=["a"])
+    [claim] = transitions.claim(actor=other_agent, queues=["b"])
+    transitions.complete(task_id=finished.id, actor=other_agent, lease_token=claim.lease_token)
+
+    html = browser.get("/").content.decode()
+
+    rows = re.findall(r'<tr data-agent="([^"]+)">(.*?)</tr>', html, re.S)
+    assert [name for name, _ in rows] == ["agent-smith", "agent-jones"], "holders first"
+    smith, jones = (row for _, row in rows)
+    assert f'<a href="/tasks/{held.id}/">#{held.id}</a>' in smith
+    assert re.search(r'<time class="ago" datetime="[^"]+">', smith), "last seen, for the script"
+    assert "nothing" in jones
+    assert "1 · 0 · 0" in jones, "completed, failed, expired in 24 hours"
+
+
+# -- A task's work graph, progress and deadline -----------------------------------------
+
+
+def related_ids(html: str, relation: str) -> list[int]:
+    match = re.search(rf'data-relation="{relation}">(.*?)</(ul|dd)>', html, re.S)
+    assert match, f"the {relation} list"
+    return [int(n) for n in re.findall(r'data-related-id="(\d+)"', match.group(1))]
+
+
+def test_the_task_page_shows_the_parent_children_with_progress_dependencies_and_dependents(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    before = make_task(title="download")
+    plan = make_task(title="plan", depends_on=[before.id])
+    after = make_task(title="publish", depends_on=[plan.id])
+    [claim] = transitions.claim(actor=agent)  # "download"
+    transitions.complete(task_id=before.id, actor=agent, lease_token=claim.lease_token)
+    [claim] = transitions.claim(actor=agent)  # "plan"
+    child = transitions.create(actor=agent, title="part one", parent_id=plan.id)
+    other_child = transitions.create(actor=agent, title="part two", parent_id=plan.id)
+    [child_claim] = transitions.claim(actor=UserFactory(username="agent-kim"))
+    assert child_claim.task.pk == child.pk
+    transitions.heartbeat(
+        task_id=child.pk,
+        actor="agent-kim",
+        lease_token=child_claim.lease_token,
+        progress={"pages": 3, "of": 10},
+    )
+
+    html = browser.get(f"/tasks/{plan.id}/").content.decode()
+
+    assert related_ids(html, "dependencies") == [before.id]
+    assert related_ids(html, "dependents") == [after.id]
+    assert related_ids(html, "children") == [child.pk, other_child.pk]
+    children = re.search(r'data-relation="children">(.*?)</ul>', html, re.S)
+    assert children is not None
+    assert "badge-in_progress" in children.group(1) and "badge-pending" in children.group(1)
+    assert "{&quot;of&quot;: 10, &quot;pages&quot;: 3}" in children.group(1), "a child's progress"
+    dependents = re.search(r'data-relation="dependents">(.*?)</ul>', html, re.S)
+    assert dependents is not None and "badge-blocked" in dependents.group(1)
+    relations = state_of(html)["relations"]
+    assert relations["children"][0]["progress"] == {"pages": 3, "of": 10}
+    assert relations["dependents"][0]["blocked"] is True
+
+    board = browser.get("/").content.decode()
+    assert f'<a class="chip chip-parent" href="/tasks/{plan.id}/"' in card_html(board, child.pk)
+    assert "chip-parent" not in card_html(board, after.id)
+    child_page = browser.get(f"/tasks/{child.pk}/").content.decode()
+    assert re.search(r'data-relation="parent">.*?data-related-id="(\d+)"', child_page, re.S)[
+        1
+    ] == str(plan.id)  # type: ignore[index]
+
+
+def test_the_task_page_shows_the_progress_json_and_the_attempt_deadline_beside_the_lease(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="crawl", max_attempt_seconds=600)
+    [claim] = transitions.claim(actor=agent, lease_seconds=60)
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"done": 7}
+    )
+    held = Task.objects.get(pk=task.id)
+    assert held.attempt_deadline is not None
+
+    html = browser.get(f"/tasks/{task.id}/").content.decode()
+
+    assert re.search(
+        r'<pre class="json" data-field="progress">\{\n  &quot;done&quot;: 7\n\}</pre>', html
+    )
+    lease = re.search(r'<div class="holder-line">(.*?)</div>', html, re.S)
+    assert lease is not None
+    assert f'data-deadline="{held.attempt_deadline.isoformat()}"' in lease.group(1)
+    assert "600 s per attempt" in html
+    assert state_of(html)["task"]["max_attempt_seconds"] == 600
+
+
+def test_the_task_page_without_progress_or_deadline_says_so(
+    browser: Client, make_task: Callable[..., Task]
+) -> None:
+    html = browser.get(f"/tasks/{make_task().id}/").content.decode()
+
+    assert '<p class="muted" data-field="no-progress">No progress reported.</p>' in html
+    assert re.search(r'data-field="deadline"[^>]* hidden>', html), "no deadline to show"
+    assert re.search(r'data-field="blocked"[^>]* hidden>', html), "not blocked"
+
+
+def test_a_dependency_in_a_queue_the_user_cannot_see_is_shown_by_id_only(
+    make_task: Callable[..., Task],
+) -> None:
+    secret = make_task(title="secret thing", queue="theirs")
+    ours = make_task(title="ours", queue="ours", depends_on=[secret.id])
+    user = UserFactory(username="pat")
+    limit_queues(user, ["ours"])
+
+    html = logged_in(user).get(f"/tasks/{ours.id}/").content.decode()
+
+    assert related_ids(html, "dependencies") == [secret.id]
+    assert "secret thing" not in html
+    assert "a queue you cannot see" in html
+
+
+# -- Comments ---------------------------------------------------------------------------
+
+
+def test_a_person_comments_on_a_task_and_the_comment_is_in_its_timeline(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="review")
+    transitions.claim(actor=agent)
+
+    response = browser.post(f"/tasks/{task.id}/comments/", {"body": "Looks <b>good</b>, ship it"})
+
+    event = TaskEvent.objects.filter(task=task).latest("id")
+    assert (event.type, event.actor, event.status, event.payload) == (
+        "commented",
+        "pat",
+        "in_progress",
+        {"body": "Looks <b>good</b>, ship it"},
+    )
+    assert response.status_code == 302
+    assert response["Location"] == f"/tasks/{task.id}/#event-{event.id}"
+    html = browser.get(f"/tasks/{task.id}/").content.decode()
+    assert re.findall(r'<span class="event-type">(\w+)</span>', html) == [
+        "created",
+        "claimed",
+        "commented",
+    ]
+    assert f'id="event-{event.id}"' in html
+    assert '<p class="comment-body">Looks &lt;b&gt;good&lt;/b&gt;, ship it</p>' in html
+    assert Task.objects.get(pk=task.id).status == "in_progress", "a comment changes nothing else"
+
+
+@pytest.mark.parametrize("body", ["", "   \n  "])
+def test_a_blank_comment_is_refused_with_a_clear_error_and_records_nothing(
+    browser: Client, make_task: Callable[..., Task], body: str
+) -> None:
+    task = make_task()
+
+    response = browser.post(f"/tasks/{task.id}/comments/", {"body": body})
+
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert "The comment is empty: write something to post." in html
+    assert 'aria-invalid="true"' in html
+    assert "<h1>" in html, "the task's page again, with the error"
+    assert list(TaskEvent.objects.filter(task=task).values_list("type", flat=True)) == ["created"]
+
+
+def test_a_comment_too_long_is_refused_and_kept_in_the_form(
+    browser: Client, make_task: Callable[..., Task]
+) -> None:
+    task = make_task()
+
+    response = browser.post(f"/tasks/{task.id}/comments/", {"body": "x" * 10001})
+
+    assert response.status_code == 400
+    assert "at most 10000 characters" in response.content.decode()
+    assert TaskEvent.objects.filter(task=task, type="commented").count() == 0
+
+
+def test_commenting_needs_the_csrf_token_and_a_login(make_task: Callable[..., Task]) -> None:
+    task = make_task()
+    guarded = Client(enforce_csrf_checks=True)
+    guarded.force_login(UserFactory(username="pat"))
+
+    assert guarded.post(f"/tasks/{task.id}/comments/", {"body": "hi"}).status_code == 403
+    anonymous = Client().post(f"/tasks/{task.id}/comments/", {"body": "hi"})
+    assert anonymous.status_code == 302
+    assert anonymous["Location"].startswith("/accounts/login/")
+    assert TaskEvent.objects.filter(task=task, type="commented").count() == 0
+
+
+def test_a_user_cannot_comment_on_a_task_of_a_queue_it_may_not_see(
+    make_task: Callable[..., Task],
+) -> None:
+    theirs = make_task(queue="theirs")
+    user = UserFactory(username="pat")
+    limit_queues(user, ["ours"])
+
+    response = logged_in(user).post(f"/tasks/{theirs.id}/comments/", {"body": "hi"})
+
+    assert response.status_code == 404
+    assert TaskEvent.objects.filter(task=theirs, type="commented").count() == 0
+
+
+def test_commenting_on_a_missing_task_is_a_404_and_a_get_is_refused(
+    browser: Client, make_task: Callable[..., Task]
+) -> None:
+    assert browser.post("/tasks/999999/comments/", {"body": "hi"}).status_code == 404
+    assert browser.get(f"/tasks/{make_task().id}/comments/").status_code == 405

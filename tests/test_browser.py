@@ -325,3 +325,210 @@ def test_the_admin_requeue_action_puts_an_escalated_task_back_on_the_board(
     expect(card(board, "pending", task.id)).to_be_visible()
     expect(count(board, "escalated")).to_have_text("0")
     expect(count(board, "pending")).to_have_text("1")
+
+
+@pytest.mark.slow
+def test_a_dependency_chain_completes_live_on_the_board(
+    server: LiveServer, page: Page, person: Any, agent: Any
+) -> None:
+    """A -> B -> C, made and worked by an agent through the API while a person watches: each
+    task shows it is blocked and by what, and is unblocked live when the one before is done."""
+    log_in(page, person)
+    navigations: list[str] = []
+    page.on("framenavigated", lambda frame: navigations.append(frame.url))
+    api = httpx.Client(
+        base_url=f"{server.url}/api/v1",
+        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+    )
+    a = api.post("/tasks/", json={"title": "Fetch the data", "queue": "plan"}).json()
+    b = api.post(
+        "/tasks/", json={"title": "Clean the data", "queue": "plan", "depends_on": [a["id"]]}
+    ).json()
+    c = api.post(
+        "/tasks/", json={"title": "Chart the data", "queue": "plan", "depends_on": [b["id"]]}
+    ).json()
+
+    card_a, card_b, card_c = (card(page, "pending", task["id"]) for task in (a, b, c))
+    expect(card_a).to_be_visible()
+    expect(card_a.locator(".chip-blocked")).to_have_count(0)
+    expect(card_b.locator(".chip-blocked")).to_have_text("blocked")
+    expect(card_b.locator(".card-blockers")).to_have_text(f"Waiting for #{a['id']} pending")
+    expect(card_c.locator(".card-blockers")).to_have_text(f"Waiting for #{b['id']} pending")
+    plan = page.locator('[data-queues] tr[data-queue="plan"]')
+    expect(plan.locator('[data-n="blocked"]')).to_have_text("2")
+
+    def work(expected: dict[str, Any]) -> None:
+        claimed = api.post("/tasks/claim/", json={"queues": ["plan"], "lease_seconds": 60})
+        [task] = claimed.json()["tasks"]
+        assert task["id"] == expected["id"], "a blocked task is never handed out"
+        expect(card(page, "in_progress", task["id"])).to_contain_text(agent.username)
+        token = task["lease_token"]
+        assert api.post(f"/tasks/{task['id']}/complete/", json={"lease_token": token}).is_success
+
+    # A is held: B still waits for it, and says so.
+    claimed = api.post("/tasks/claim/", json={"queues": ["plan"], "lease_seconds": 60}).json()
+    assert [task["id"] for task in claimed["tasks"]] == [a["id"]]
+    expect(card_b.locator(".card-blockers")).to_have_text(f"Waiting for #{a['id']} in progress")
+    token = claimed["tasks"][0]["lease_token"]
+    assert api.post(f"/tasks/{a['id']}/complete/", json={"lease_token": token}).is_success
+
+    expect(card(page, "finished", a["id"])).to_contain_text("done")
+    expect(card_b.locator(".chip-blocked")).to_have_count(0)
+    expect(card_b.locator(".card-blockers")).to_have_count(0)
+    expect(card_c.locator(".card-blockers")).to_have_text(f"Waiting for #{b['id']} pending")
+    expect(plan.locator('[data-n="blocked"]')).to_have_text("1")
+
+    work(b)
+    expect(card_c.locator(".chip-blocked")).to_have_count(0)
+    work(c)
+    expect(card(page, "finished", c["id"])).to_contain_text("done")
+    expect(count(page, "done")).to_have_text("3")
+    expect(plan.locator('[data-n="done"]')).to_have_text("3")
+    expect(plan.locator('[data-n="blocked"]')).to_have_text("0")
+    assert [event[0] for event in history(b["id"])] == [
+        "created",
+        "unblocked",
+        "claimed",
+        "completed",
+    ]
+    assert navigations == [], "the board never reloaded"
+    api.close()
+
+
+@pytest.mark.slow
+def test_a_dependent_of_a_cancelled_task_shows_it_stays_blocked_live(
+    page: Page, person: Any, staff: Any, make_task: Callable[..., Task]
+) -> None:
+    first = make_task(title="Order parts")
+    then = make_task(title="Assemble", depends_on=[first.id])
+    log_in(page, person)
+    blockers = card(page, "pending", then.id).locator(".card-blockers")
+    expect(blockers).to_have_text(f"Waiting for #{first.id} pending")
+
+    transitions.cancel(task_id=first.id, actor=staff)
+
+    expect(blockers).to_have_text(f"Waiting for #{first.id} cancelled")
+    expect(card(page, "pending", then.id).locator(".chip-blocked")).to_be_visible()
+
+
+@pytest.mark.slow
+def test_a_comment_posted_on_the_task_page_appears_in_its_timeline_and_on_other_pages_live(
+    new_page: Callable[[], Page], person: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Check the translation")
+    writer = new_page()
+    log_in(writer, person)
+    reader = new_page()  # the same browser, so the same session
+    reader.goto(f"/tasks/{task.id}/")
+    wait_until_live(reader)
+    reader.evaluate("window.readerMarker = 'not reloaded'")
+    writer.goto(f"/tasks/{task.id}/")
+    wait_until_live(writer)
+
+    writer.get_by_role("button", name="Post comment").click()
+    expect(writer.get_by_role("alert")).to_have_text(
+        "The comment is empty: write something to post."
+    )
+    writer.get_by_label("Comment").fill("The German <i>strings</i> are missing.\nSee row 12.")
+    writer.get_by_role("button", name="Post comment").click()
+
+    for page in (writer, reader):
+        comment = page.locator("[data-timeline] .event-commented")
+        expect(comment).to_have_count(1)
+        expect(comment.locator(".comment-body")).to_have_text(
+            "The German <i>strings</i> are missing.\nSee row 12."
+        )
+        expect(comment.locator(".event-actor")).to_have_text("by pat")
+        expect(page.locator(".event-type")).to_have_text(["created", "commented"])
+    assert reader.evaluate("window.readerMarker") == "not reloaded"
+    assert history(task.id) == [("created", "agent-smith"), ("commented", "pat")]
+    wait_until_live(writer)
+
+
+@pytest.mark.slow
+def test_staff_pause_a_queue_from_the_queues_panel(
+    page: Page, make_task: Callable[..., Task], agent: Any, settings: Any
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    make_task(title="Send the digest", queue="mail")
+    log_in(page, admin)
+    row = page.locator('[data-queues] tr[data-queue="mail"]')
+    expect(row.locator('[data-n="pending"]')).to_have_text("1")
+
+    row.get_by_label("Note on mail").fill("the relay is down")
+    row.get_by_role("button", name="Pause mail").click()
+
+    expect(page.get_by_role("status").filter(has_text="Paused mail")).to_be_visible()
+    expect(row.locator(".badge-paused")).to_have_text("paused")
+    assert transitions.claim(actor=agent, queues=["mail"]) == []
+    row.get_by_role("button", name="Resume mail").click()
+    expect(row.locator(".badge-paused")).to_have_count(0)
+    assert len(transitions.claim(actor=agent, queues=["mail"])) == 1
+
+
+@pytest.mark.slow
+def test_the_task_page_follows_its_work_graph_progress_and_attempt_deadline_live(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Translate the manual", max_attempt_seconds=3600)
+    after = make_task(title="Print the manual", depends_on=[task.id])
+    log_in(page, person)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+    dependents = page.locator('[data-relation="dependents"]')
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-blocked')).to_be_visible()
+    expect(page.locator('[data-field="deadline"]')).to_be_hidden()
+
+    [claim] = transitions.claim(actor=agent, lease_seconds=60)
+    expect(page.locator('[data-field="lease"]')).to_have_text(re.compile(r"^[01]:\d\d left$"))
+    expect(page.locator('[data-field="deadline"]')).to_have_text(
+        re.compile(r"^attempt: (1h 00m|59:\d\d) left$")
+    )
+    child = transitions.create(actor=agent, title="Chapter one", parent_id=task.id)
+    children = page.locator('[data-relation="children"]')
+    expect(children.locator(f'[data-related-id="{child.id}"]')).to_contain_text("Chapter one")
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"chapters": 1}
+    )
+    expect(page.locator('[data-field="progress"]')).to_have_text('{\n  "chapters": 1\n}')
+    [child_claim] = transitions.claim(actor=agent)
+    assert child_claim.task.pk == child.id
+    transitions.heartbeat(
+        task_id=child.id, actor=agent, lease_token=child_claim.lease_token, progress={"pages": 4}
+    )
+    expect(children.locator(".related-progress")).to_have_text('{"pages":4}')
+    expect(children.locator(".badge-in_progress")).to_be_visible()
+
+    transitions.complete(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+
+    expect(page.locator('[data-field="status"]')).to_have_text("done")
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-blocked')).to_have_count(0)
+    expect(dependents.locator(f'[data-related-id="{after.id}"] .badge-pending')).to_be_visible()
+    expect(page.locator('[data-field="deadline"]')).to_be_hidden()
+    expect(page.locator('[data-field="progress"]')).to_have_text('{\n  "chapters": 1\n}')
+
+
+@pytest.mark.slow
+def test_the_board_says_when_the_attempt_deadline_took_a_task_from_its_holder(
+    page: Page, person: Any, agent: Any, other_agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Spin forever", max_attempt_seconds=1)
+    log_in(page, person)
+
+    transitions.claim(actor=agent, lease_seconds=60)
+    held = card(page, "in_progress", task.id)
+    expect(held).to_contain_text(agent.username)
+    expect(held.locator(".deadline")).to_be_visible()
+    time.sleep(1.2)  # past the attempt deadline (the lease was cut to it)
+    transitions.claim(actor=other_agent)
+
+    expect(held).to_contain_text(other_agent.username)
+    expect(held.locator(".card-error")).to_have_text(
+        f"attempt deadline passed (held by {agent.username})"
+    )
+    assert Task.objects.get(pk=task.id).last_error == (
+        f"attempt deadline passed (held by {agent.username})"
+    ), "the page says what the server recorded"
+    expired = TaskEvent.objects.get(task=task, type="expired")
+    assert expired.payload["reason"] == "attempt_deadline"

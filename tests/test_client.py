@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,17 +26,20 @@ from board import transitions
 from board.access import limit_queues
 from board.models import Task as TaskRow
 from taskboard.client import (
+    Agent,
     AuthenticationError,
     ClaimedTask,
     Client,
     Event,
     ForbiddenQueue,
+    IdempotencyConflict,
     InvalidTransition,
     Lease,
     LeaseLost,
     NotFound,
     PayloadTooLarge,
     PermissionDenied,
+    Queue,
     Task,
     TaskboardError,
     Throttled,
@@ -356,6 +360,296 @@ def test_a_claim_that_waits_gets_a_timeout_longer_than_its_wait(
         assert task.title == "new"
 
 
+# -- Work graphs, idempotent creates, comments, queues and agents ------------------------
+
+
+@live
+def test_it_creates_tasks_with_dependencies_a_parent_and_an_attempt_limit(board: Client) -> None:
+    plan = board.create("plan", queue="q")
+    fetch = board.create("fetch", queue="q")
+    build = board.create("build", queue="q", depends_on=[plan, fetch.id], max_attempt_seconds=90)
+    step = board.create("a step of the plan", queue="q", parent_id=plan)
+
+    assert (build.depends_on, build.blocked, build.max_attempt_seconds) == (
+        [plan.id, fetch.id],
+        True,
+        90,
+    )
+    assert (step.parent_id, step.depends_on, step.blocked) == (plan.id, [], False)
+    assert plan.parent_id is None and plan.max_attempt_seconds is None
+    assert build.attempt_started_at is None and build.attempt_deadline is None
+    assert board.get(build) == build
+
+    assert [t.id for t in board.iter_tasks(parent=plan)] == [step.id]
+    assert [t.id for t in board.list_tasks(parent=plan.id).results] == [step.id]
+    assert [t.id for t in board.iter_tasks(blocked=True)] == [build.id]
+    assert {t.id for t in board.iter_tasks(blocked=False)} == {plan.id, fetch.id, step.id}
+    assert [t.id for t in board.iter_tasks(depends_on=fetch)] == [build.id]
+    assert list(board.iter_tasks(depends_on=build)) == []
+
+    first, second, third = board.claim(queues=["q"], limit=3)
+    assert [first.id, second.id, third.id] == [plan.id, fetch.id, step.id]  # not build
+    board.complete(first)
+    assert board.get(build).blocked
+    board.complete(second)
+    assert not board.get(build).blocked
+    [claimed] = board.claim(queues=["q"], lease_seconds=30)
+    assert (claimed.id, claimed.blocked) == (build.id, False)
+    assert claimed.attempt_started_at is not None and claimed.attempt_deadline is not None
+    assert claimed.attempt_deadline - claimed.attempt_started_at == timedelta(seconds=90)
+    [unblocked] = board.events(task=build, type="unblocked").results
+    assert (unblocked.actor, unblocked.payload) == ("system", {"after": fetch.id})
+
+
+@live
+def test_every_create_carries_a_fresh_idempotency_key(board: Client) -> None:
+    first, second = board.create("same title"), board.create("same title")
+
+    assert first.id != second.id
+    assert first.idempotency_key and second.idempotency_key
+    assert first.idempotency_key != second.idempotency_key
+    assert str(uuid.UUID(first.idempotency_key, version=4)) == first.idempotency_key
+
+
+@live
+def test_a_create_repeated_with_its_key_returns_the_first_task_and_another_body_conflicts(
+    board: Client, other_board: Client
+) -> None:
+    created = board.create("deploy", queue="q", payload={"v": 2}, idempotency_key="deploy-v2")
+    [claimed] = board.claim(queues=["q"])
+
+    again = board.create("deploy", queue="q", payload={"v": 2}, idempotency_key="deploy-v2")
+    assert again.id == created.id
+    assert (again.status, again.leased_by) == ("in_progress", "agent-smith")  # as it is now
+    assert again.idempotency_key == "deploy-v2"
+
+    with pytest.raises(IdempotencyConflict) as conflict:
+        board.create("deploy", queue="q", payload={"v": 3}, idempotency_key="deploy-v2")
+    assert (conflict.value.status, conflict.value.code) == (409, "idempotency_conflict")
+
+    theirs = other_board.create("deploy", queue="q", payload={"v": 2}, idempotency_key="deploy-v2")
+    assert theirs.id != created.id  # keys of different users never collide
+    assert TaskRow.objects.filter(title="deploy").count() == 2
+    assert claimed.id == created.id
+
+
+class LoseFirstAnswer(httpx.BaseTransport):
+    """Send each request to the real server, but lose the answer to the first one that
+    ``lose`` picks (the connection breaks as the answer comes back)."""
+
+    def __init__(self, lose: Callable[[httpx.Request], bool]) -> None:
+        self.real = httpx.HTTPTransport()
+        self.lose = lose
+        self.sent: list[httpx.Request] = []
+        self.lost: list[httpx.Response] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        response = self.real.handle_request(request)
+        if not self.lost and self.lose(request):
+            response.read()
+            response.close()
+            self.lost.append(response)
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@live
+def test_a_create_whose_answer_was_lost_is_sent_again_and_makes_one_task(
+    server: LiveServer, token: str, pauses: list[float]
+) -> None:
+    transport = LoseFirstAnswer(lambda request: request.method == "POST")
+    with Client(server.url, token, transport=transport) as board:
+        task = board.create("exactly once", queue="q")
+
+    [lost] = transport.lost
+    assert lost.status_code == 201  # the server did create it the first time
+    first, retry = transport.sent
+    assert first.headers["Idempotency-Key"] == retry.headers["Idempotency-Key"]
+    assert first.content == retry.content
+    assert len(pauses) == 1
+    [row] = TaskRow.objects.filter(title="exactly once")
+    assert (task.id, task.idempotency_key) == (row.id, first.headers["Idempotency-Key"])
+
+
+@live
+def test_anyone_comments_on_a_task_in_its_history(board: Client, other_board: Client) -> None:
+    task = board.create("discuss me", queue="q")
+    [claimed] = board.claim(queues=["q"])
+    board.complete(claimed)
+
+    comment = other_board.comment(task, "Looks done to me.")
+
+    assert isinstance(comment, Event)
+    assert (comment.task_id, comment.type, comment.actor) == (task.id, "commented", "agent-jones")
+    assert (comment.status, comment.payload) == ("done", {"body": "Looks done to me."})
+    assert board.task_events(task).results[-1] == comment
+    with pytest.raises(ValidationError) as empty:
+        board.comment(task, "")
+    assert "body" in empty.value.fields
+    with pytest.raises(NotFound):
+        board.comment(999999, "nobody hears this")
+
+
+@live
+def test_queues_are_counted_and_staff_pause_and_resume_them(
+    board: Client, staff_board: Client
+) -> None:
+    first = board.create("first", queue="mail")
+    board.create("second", queue="mail", depends_on=[first])
+    board.create("elsewhere", queue="video")
+
+    queues = {q.name: q for q in board.queues()}
+    mail = queues["mail"]
+    assert isinstance(mail, Queue) and mail.paused is False
+    assert mail.counts == {
+        "pending": 1,  # not blocked
+        "blocked": 1,
+        "in_progress": 0,
+        "escalated": 0,
+        "done": 0,
+        "cancelled": 0,
+    }
+    assert mail.oldest_pending_at == first.created_at
+    assert queues["video"].counts["pending"] == 1
+
+    with pytest.raises(PermissionDenied):
+        board.pause_queue("mail")
+    paused = staff_board.pause_queue("mail", note="mail server down")
+    assert (paused.name, paused.paused) == ("mail", True)
+    assert board.claim(queues=["mail"]) == []
+    assert [q.paused for q in board.queues() if q.name == "mail"] == [True]
+
+    resumed = staff_board.resume_queue("mail")
+    assert resumed.paused is False
+    [claimed] = board.claim(queues=["mail"])
+    assert claimed.id == first.id
+
+
+@live
+def test_agents_are_listed_with_what_they_hold(board: Client, other_board: Client) -> None:
+    for title in ("a", "b", "c"):
+        board.create(title, queue="q")
+    held, done = board.claim(queues=["q"], limit=2)
+    board.complete(done)
+    [theirs] = other_board.claim(queues=["q"])
+    other_board.fail(theirs, "no luck")
+
+    agents = {a.name: a for a in board.agents()}
+
+    smith = agents["agent-smith"]
+    assert isinstance(smith, Agent)
+    assert (smith.holding, smith.completed_24h, smith.failed_24h) == ([held.id], 1, 0)
+    assert smith.last_seen_at is not None
+    jones = agents["agent-jones"]
+    assert (jones.holding, jones.completed_24h, jones.failed_24h) == ([], 0, 1)
+
+
+# -- Progress and attempt deadlines ------------------------------------------------------
+
+
+def progress_of_heartbeats(board: Client, task: Task) -> list[Any]:
+    """Return the progress each heartbeat on ``task`` reported (None: none), in order."""
+    return [e.payload.get("progress") for e in board.events(task=task, type="heartbeat").results]
+
+
+@live
+def test_the_lease_sends_reported_progress_within_a_second_and_only_the_latest(
+    board: Client,
+) -> None:
+    board.create("long job", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=60)  # a heartbeat every 20 s
+
+    def reported() -> list[Any]:
+        return [
+            e.payload.get("progress") for e in board.events(task=task, type="heartbeat").results
+        ]
+
+    with board.lease(task) as lease:
+        for n in range(20):
+            lease.report_progress({"done": n})
+        eventually(lambda: reported() == [{"done": 19}], timeout=3, what="the progress")
+        sent = time.monotonic()
+        lease.report_progress({"done": 20})
+        eventually(lambda: len(reported()) == 2, timeout=3, what="the next progress")
+        # Not sooner than a second after the previous heartbeat.
+        assert time.monotonic() - sent >= 0.8
+        assert reported() == [{"done": 19}, {"done": 20}]
+        lease.complete()
+
+
+@live
+def test_a_progress_the_server_refuses_is_dropped_and_the_lease_lives_on(board: Client) -> None:
+    board.create("careless", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=3)  # a heartbeat every second
+
+    with board.lease(task) as lease:
+        lease.report_progress({"text": "a NUL \u0000 PostgreSQL cannot store"})
+        time.sleep(2.5)
+        assert not lease.lost
+        lease.report_progress({"fine": True})
+        eventually(
+            lambda: board.events(task=task, type="heartbeat").results[-1].payload.get("progress"),
+            timeout=3,
+            what="the next progress",
+        )
+        lease.complete()
+
+    reported = [
+        e.payload.get("progress") for e in board.events(task=task, type="heartbeat").results
+    ]
+    assert len(reported) >= 3
+    assert [p for p in reported if p is not None] == [{"fine": True}]
+
+
+@live
+def test_progress_reported_before_a_fail_comes_back_with_the_next_claim(board: Client) -> None:
+    board.create("resumable", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=60)
+    assert task.progress is None
+
+    with board.lease(task) as lease:
+        lease.report_progress({"page": 7})
+        lease.fail("interrupted")  # before the heartbeat thread sent it
+
+    assert board.get(task).progress == {"page": 7}
+    [again] = board.claim(queues=["q"])
+    assert (again.id, again.progress) == (task.id, {"page": 7})
+    with board.lease(again) as lease:
+        lease.report_progress({"page": 9})
+        lease.release()
+    [third] = board.claim(queues=["q"])
+    assert third.progress == {"page": 9}
+
+
+@live
+def test_the_lease_is_lost_at_the_attempt_deadline_however_often_it_heartbeats(
+    board: Client,
+) -> None:
+    board.create("spinner", queue="q", max_attempt_seconds=2)
+    [task] = board.claim(queues=["q"], lease_seconds=60)
+    assert task.max_attempt_seconds == 2
+    told: list[Lease] = []
+
+    lease = board.lease(task, on_lost=told.append, interval=0.5)
+    assert lease.wait_lost(timeout=4)
+    assert 1.8 <= time.monotonic() - task.claimed_at < 2.5
+    assert told == [lease] and isinstance(lease.error, LeaseLost)
+    assert lease.error.code == "attempt_deadline"
+    lease.stop()
+
+    # The server holds the deadline too: the holder's calls are refused from then on.
+    eventually(lambda: datetime.now(UTC) > task.attempt_deadline, timeout=2)  # type: ignore[operator]
+    with pytest.raises(LeaseLost) as refused:
+        board.heartbeat(task)
+    assert "deadline" in refused.value.detail
+    with pytest.raises(LeaseLost):
+        board.complete(task, result="too late")
+
+
 # -- The stream --------------------------------------------------------------------------
 
 
@@ -473,6 +767,24 @@ def test_the_lease_helper_reports_the_loss_at_once_when_another_agent_reclaims(
     assert told == [lease], "told once"
     now = TaskRow.objects.get(id=task.id)
     assert (now.status, now.leased_by_id, now.failure_count) == ("in_progress", "agent-jones", 1)
+
+
+@live
+def test_a_lease_claimed_after_a_wait_longer_than_the_lease_lives_on(
+    board: Client, agent: Any
+) -> None:
+    threading.Timer(3, lambda: transitions.create(actor=agent, title="late", queue="w")).start()
+    sent = time.monotonic()
+    [task] = board.claim(queues=["w"], wait=10, lease_seconds=2)
+    received = time.monotonic()
+
+    # Counted from the claim, not from the request sent 3 s before it.
+    assert received - sent >= 2.9
+    assert received - 0.5 <= task.claimed_at <= received
+    with board.lease(task) as lease:
+        assert not lease.wait_lost(timeout=2.5)  # heartbeats every 2/3 s keep it
+        lease.complete()
+    assert board.get(task).status == "done"
 
 
 @live
@@ -632,6 +944,7 @@ def test_503_after_the_retries_raises_unavailable_with_the_servers_detail(
             {"error": "invalid_transition", "detail": "No.", "status": "done"},
             InvalidTransition,
         ),
+        (409, {"error": "idempotency_conflict", "detail": "Another body."}, IdempotencyConflict),
         (413, {"error": "payload_too_large", "detail": "Too big."}, PayloadTooLarge),
     ],
 )
@@ -685,6 +998,17 @@ def test_a_request_sent_without_an_answer_is_repeated_only_when_that_is_harmless
     heartbeat = Script(lost_answer, httpx.Response(200, json=TASK_JSON))
     assert scripted(heartbeat).heartbeat(7, lease_token="t").id == 7
     assert len(read.requests) == len(heartbeat.requests) == 2
+
+    # So may a create: the server makes one task of requests with one Idempotency-Key.
+    create = Script(lost_answer, httpx.Response(201, json=TASK_JSON))
+    board = scripted(create)
+    assert board.create("t").id == 7
+    first, retry = create.requests
+    assert first.headers["Idempotency-Key"] == retry.headers["Idempotency-Key"]
+    board.create("t")
+    assert create.requests[-1].headers["Idempotency-Key"] != first.headers["Idempotency-Key"]
+    board.create("t", idempotency_key="mine")
+    assert create.requests[-1].headers["Idempotency-Key"] == "mine"
 
 
 def test_a_server_that_is_not_there_raises_unavailable_after_the_retries() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -19,7 +20,16 @@ from django.db import connection, transaction
 from board import transitions
 from board.access import limit_queues
 from board.models import Task, TaskEvent, TaskStatus
-from taskboard.worker import Display, failure_message, parse_result
+from taskboard.worker import (
+    MAX_PROGRESS_BYTES,
+    Display,
+    ProgressPipe,
+    WorkerOptions,
+    failure_message,
+    parse_progress,
+    parse_result,
+    retry_delay,
+)
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
 from tests.processes import ROOT, WorkerProcess, cli_env, eventually
@@ -141,12 +151,14 @@ else:
     assert result["doubled"] == 42
     lease_token = result["env"].pop("TASKBOARD_LEASE_TOKEN")
     assert lease_token and lease_token not in json.dumps(result["stdin"])
+    assert result["env"].pop("TASKBOARD_PROGRESS_FD").isdigit()
     assert result["env"] == {
         "TASKBOARD_TASK_ID": str(as_json.id),
         "TASKBOARD_TASK_QUEUE": "math",
         "TASKBOARD_TASK_TITLE": "double it",
         "TASKBOARD_URL": server.url,
         "TASKBOARD_ATTEMPT": "1",
+        "TASKBOARD_PROGRESS": "null",
     }
     assert result["stdin"]["id"] == as_json.id
     assert result["stdin"]["payload"] == {"n": 21}
@@ -172,7 +184,7 @@ sys.exit(3)
     )
     task = transitions.create(actor=agent, title="doomed", queue="q", max_failures=2)
 
-    worker = start_worker("--queue", "q", command=command)
+    worker = start_worker("--queue", "q", "--retry-after", "0", command=command)
     eventually(lambda: status_of(task.id) == "escalated", what="the escalation")
     assert worker.stop() == 0
 
@@ -232,6 +244,195 @@ def test_a_command_whose_lease_is_lost_is_killed_and_nothing_is_reported(
     assert "completed" not in types and "failed" not in types and "released" not in types
     assert f"task {task.id}: lease lost" in worker.output
     assert "stopped: 0 done, 0 failed, 0 released, 1 lost" in worker.output
+
+
+@live
+def test_a_command_past_its_attempt_deadline_is_stopped_though_its_lease_is_long(
+    start_worker: Callable[..., WorkerProcess], agent: Any, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pid"
+    task = transitions.create(actor=agent, title="spins", queue="spin", max_attempt_seconds=2)
+
+    worker = start_worker(
+        "--queue", "spin", "--lease", "60", "--grace", "1",
+        command=python(SLEEPER, str(pidfile), "60"),
+    )  # fmt: skip
+    pid = started_pid(pidfile)
+    started = time.monotonic()
+
+    eventually(lambda: process_gone(pid), timeout=5, what="the kill")
+    # At the deadline, 2 s after the claim, not at the end of a 60 s lease or command.
+    assert time.monotonic() - started < 3.5
+    assert f"task {task.id}: lease lost" in worker.output
+    types = event_types(task.id)
+    assert "completed" not in types and "failed" not in types and "released" not in types
+
+    # The lease ends at the deadline too: the worker's waiting claim takes the task again,
+    # recording why the previous attempt expired.
+    expired = eventually(
+        lambda: TaskEvent.objects.filter(task_id=task.id, type="expired").first(),
+        timeout=10,
+        what="the expiry",
+    )
+    assert expired.payload["reason"] == "attempt_deadline"
+    assert worker.stop() == 0
+    assert Task.objects.get(id=task.id).failure_count == 1
+
+
+@live
+def test_a_task_that_came_after_a_wait_longer_than_the_lease_is_run(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    worker = start_worker("--queue", "late", "--lease", "2", "--wait", "10", command=["true"])
+    time.sleep(3.5)  # the worker's claim waits longer than its lease: the test's subject
+    task = transitions.create(actor=agent, title="late", queue="late")
+
+    eventually(lambda: status_of(task.id) == "done", what="the task done")
+    assert worker.stop() == 0
+    assert "lost" not in event_types(task.id) and "expired" not in event_types(task.id)
+    assert "stopped: 1 done, 0 failed, 0 released, 0 lost" in worker.output
+
+
+@live
+def test_a_failing_command_waits_longer_after_each_strike(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    task = transitions.create(actor=agent, title="flaky", queue="q", max_failures=3)
+
+    worker = start_worker("--queue", "q", "--backoff", "1", command=python("exit(1)"))
+    eventually(lambda: status_of(task.id) == "escalated", timeout=20, what="the escalation")
+    assert worker.stop() == 0
+
+    events = list(TaskEvent.objects.filter(task_id=task.id).order_by("id"))
+    failed = [event for event in events if event.type == "failed"]
+    claimed = [event for event in events if event.type == "claimed"]
+    waits = [event.payload["retry_after"] for event in failed]
+    # 1, 2 and 4 s, each less up to a quarter at random.
+    assert waits[:2] == [1, 2] and 3 <= waits[2] <= 4
+    for failure, next_claim, wait in zip(failed, claimed[1:], waits, strict=False):
+        assert (next_claim.created_at - failure.created_at).total_seconds() >= wait
+    assert "pending, due again in 1 s" in worker.output
+
+
+@live
+def test_retry_after_makes_every_failed_task_wait_that_long(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    task = transitions.create(actor=agent, title="flaky", queue="q", max_failures=3)
+
+    worker = start_worker("--queue", "q", "--retry-after", "30", command=python("exit(1)"))
+    eventually(lambda: "failed" in event_types(task.id), what="the failure")
+    assert worker.stop() == 0
+
+    failed = Task.objects.get(id=task.id)
+    assert (failed.status, failed.failure_count) == ("pending", 1)
+    assert failed.run_after is not None
+    event = TaskEvent.objects.get(task_id=task.id, type="failed")
+    assert event.payload["retry_after"] == 30
+    assert (failed.run_after - event.created_at).total_seconds() == 30
+
+
+# Reports progress on TASKBOARD_PROGRESS_FD. The first attempt reports a flood of values,
+# a malformed line and {"step": 1}, waits for the file argv[1], reports {"step": 2} and
+# fails at once; the next attempt prints what it resumed from.
+PROGRESSING = """
+import json, os, sys, time
+previous = json.loads(os.environ["TASKBOARD_PROGRESS"])
+if previous is not None:
+    print(json.dumps({"resumed_from": previous}))
+    sys.exit(0)
+out = open(int(os.environ["TASKBOARD_PROGRESS_FD"]), "w", buffering=1)
+for n in range(50):
+    out.write(json.dumps({"step": 0, "n": n}) + "\\n")
+out.write("{not json\\n")
+out.write(json.dumps({"step": 1, "saw": os.environ["TASKBOARD_PROGRESS"]}) + "\\n")
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+out.write(json.dumps({"step": 2}) + "\\n")
+sys.exit(1)
+"""
+
+
+@live
+def test_progress_written_to_the_fd_reaches_the_server_and_the_next_attempt(
+    start_worker: Callable[..., WorkerProcess], agent: Any, tmp_path: Path
+) -> None:
+    go_on = tmp_path / "go-on"
+    task = transitions.create(actor=agent, title="resumable", queue="q")
+
+    # A 60 s lease heartbeats every 20 s: progress must not wait for that.
+    worker = start_worker(
+        "--queue", "q", "--lease", "60", "--retry-after", "0",
+        command=python(PROGRESSING, str(go_on)),
+    )  # fmt: skip
+    claimed = time.monotonic()
+
+    def progress() -> Any:
+        return Task.objects.get(id=task.id).progress
+
+    assert eventually(lambda: progress() == {"step": 1, "saw": "null"}, timeout=5)
+    assert time.monotonic() - claimed < 4
+    go_on.touch()
+    eventually(lambda: status_of(task.id) == "done", timeout=10, what="the second attempt")
+    assert worker.stop() == 0
+
+    assert Task.objects.get(id=task.id).result == {"resumed_from": {"step": 2}}
+    heartbeats = TaskEvent.objects.filter(task_id=task.id, type="heartbeat").order_by("id")
+    reported = [event.payload.get("progress") for event in heartbeats]
+    assert reported[-2:] == [{"step": 1, "saw": "null"}, {"step": 2}]
+    # Fifty values within a second went out as one or two heartbeats, not fifty.
+    assert len(reported) <= 4
+    assert event_types(task.id)[-3:] == ["failed", "claimed", "completed"]
+    assert "progress line ignored, not JSON" in worker.output and "{not json" in worker.output
+
+
+def test_the_backoff_doubles_with_each_strike_up_to_its_cap_and_retry_after_replaces_it() -> None:
+    options = WorkerOptions(command=["true"], url="http://board.test", backoff=10, max_backoff=60)
+    rng = random.Random(9)
+    for _ in range(200):
+        waits = [retry_delay(strikes, options, rng) for strikes in range(6)]
+        assert 7 <= waits[0] <= 10 and 15 <= waits[1] <= 20 and 30 <= waits[2] <= 40
+        assert waits[0] < waits[1] < waits[2] < waits[3]
+        assert all(45 <= wait <= 60 for wait in waits[3:])
+    assert retry_delay(99, options, rng) <= 60  # no overflow however many strikes
+    fixed = WorkerOptions(command=["true"], url="http://board.test", retry_after=0)
+    assert [retry_delay(strikes, fixed) for strikes in range(3)] == [0, 0, 0]
+
+
+def test_the_progress_pipe_reports_each_value_and_skips_what_is_not_one() -> None:
+    reported: list[Any] = []
+    complaints: list[str] = []
+    pipe = ProgressPipe(reported.append, complaints.append)
+    writer = os.fdopen(os.dup(pipe.write_fd), "wb")
+    pipe.start()  # closes the pipe's own write end: the dup keeps it open
+
+    writer.write(b'{"n": 1}\n\n')
+    writer.write(b'{"big": "' + b"x" * MAX_PROGRESS_BYTES + b'"}\n')
+    writer.write(b"[2]\n")
+    writer.write(b"oops\n" * 12)
+    writer.write(b'{"n": 3}')  # the last line needs no newline
+    writer.close()
+    pipe.wait(timeout=5)
+
+    assert reported == [{"n": 1}, [2], {"n": 3}]
+    assert len(complaints) == 10  # one over the limit and the first nine of twelve
+    assert complaints[0].startswith(f"progress line ignored, over {MAX_PROGRESS_BYTES} bytes")
+    assert complaints[1].startswith("progress line ignored, not JSON") and "'oops'" in complaints[1]
+    assert complaints[-1].endswith("(later ones are not logged)")
+
+
+def test_a_progress_line_is_any_json_value_but_null() -> None:
+    assert parse_progress(b'{"done": 40}\n') == {"done": 40}
+    assert parse_progress(b"[1, 2]") == [1, 2]
+    assert parse_progress(b"0.5\n") == 0.5
+    for line, why in [
+        (b"{oops\n", "not JSON"),
+        (b"NaN\n", "not JSON"),
+        (b"null\n", "null"),
+        (b'{"a": ["\\u0000"]}\n', "NUL"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_progress(line)
 
 
 @live
@@ -390,6 +591,40 @@ def test_submit_creates_tasks_from_arguments_and_from_json_lines(
     refused = taskboard(server, token, "submit", "--priority", "5000", "too important")
     assert refused.returncode == 1
     assert "400 invalid" in refused.stderr and "priority:" in refused.stderr
+
+
+@live
+def test_submit_takes_dependencies_a_parent_and_an_attempt_limit_and_tasks_filters_by_them(
+    server: LiveServer, token: str
+) -> None:
+    def ids(*args: str, stdin: str = "") -> list[int]:
+        done = taskboard(server, token, *args, stdin=stdin)
+        assert done.returncode == 0, done.stderr
+        return [int(line) for line in done.stdout.split()]
+
+    plan, fetch = ids("submit", "--queue", "q", "plan", "fetch")
+    [build] = ids(
+        "submit", "--depends-on", f"{plan},{fetch}", "--parent", str(plan),
+        "--max-attempt-seconds", "600", "build",
+    )  # fmt: skip
+    line = json.dumps({"title": "keyed", "idempotency_key": "k-1"})
+    [keyed] = ids("submit", "-", stdin=line)
+    assert ids("submit", "-", stdin=line) == [keyed]  # the key makes the repeat a no-op
+
+    task = Task.objects.get(id=build)
+    assert (task.parent_id, task.max_attempt_seconds) == (plan, 600)
+    assert sorted(task.dependencies.values_list("depends_on_id", flat=True)) == [plan, fetch]
+    assert Task.objects.get(id=keyed).idempotency_key == "k-1"
+
+    def listed(*filters: str) -> list[int]:
+        done = taskboard(server, token, "tasks", "--json", *filters)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(row)["id"] for row in done.stdout.splitlines()]
+
+    assert listed("--blocked") == [build]
+    assert listed("--not-blocked") == [keyed, fetch, plan]
+    assert listed("--parent", str(plan)) == [build]
+    assert listed("--depends-on", str(fetch)) == [build]
 
 
 @live

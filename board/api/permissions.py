@@ -21,11 +21,16 @@ class MayTriage(BasePermission):
         return bool(user.is_authenticated and user.is_staff and user.has_perm(TRIAGE_PERMISSION))
 
 
+def may_pause_queues(user: Any) -> bool:
+    """Return whether ``user`` may pause and resume queues: staff (the contract's rule), in
+    the API, on the board and in the admin alike."""
+    return bool(user.is_authenticated and user.is_staff)
+
+
 class IsStaff(BasePermission):
     """Staff users: the humans who may pause and resume queues."""
 
     message = "Only staff may pause or resume a queue."
 
     def has_permission(self, request: Request, view: Any) -> bool:
-        user = request.user
-        return bool(user.is_authenticated and user.is_staff)
+        return may_pause_queues(request.user)

@@ -16,6 +16,7 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.plumbing import is_list_serializer
 
 from board.api.serializers import (
     MAX_JSON_DEPTH,
@@ -87,6 +88,16 @@ class TimeFieldExtension(OpenApiSerializerFieldExtension):
         return {"type": "string", "format": "date-time", "pattern": TIME_PATTERN}
 
 
+class UniqueListFieldExtension(OpenApiSerializerFieldExtension):
+    """State UniqueListField's rule: no item twice (``uniqueItems``)."""
+
+    target_class = "board.api.serializers.UniqueListField"
+
+    def map_serializer_field(self, auto_schema: AutoSchema, direction: Any) -> dict[str, Any]:
+        schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
+        return {**schema, "uniqueItems": True}
+
+
 class JSONValueFieldExtension(OpenApiSerializerFieldExtension):
     target_class = "board.api.serializers.AnyJSONField"
 
@@ -108,11 +119,12 @@ class JSONObjectFieldExtension(OpenApiSerializerFieldExtension):
 
 
 class BoardAutoSchema(AutoSchema):
-    """drf-spectacular's AutoSchema, told that list endpoints answer a page object
-    (``{"results": [...], "next": ...}``), never a bare array."""
+    """drf-spectacular's AutoSchema, told that list endpoints answer what they declare: a
+    page object (``{"results": [...], "next": ...}``) for tasks and events, a bare array
+    only where the response is declared ``many=True`` (queues/, agents/)."""
 
     def _is_list_view(self, serializer: Any = None) -> bool:
-        return False
+        return serializer is not None and is_list_serializer(serializer)
 
     def _insert_field_validators(self, field: Any, schema: dict[str, Any]) -> None:
         super()._insert_field_validators(field, schema)

@@ -214,6 +214,18 @@ class AnyJSONField(StorableJSONField):
         return super().validate_empty_values(data)
 
 
+class UniqueListField(serializers.ListField):
+    """A list in which no item appears twice (board.api.schema: ``uniqueItems``)."""
+
+    default_error_messages = {"duplicates": "List each item once."}
+
+    def to_internal_value(self, data: Any) -> list[Any]:
+        items = list(super().to_internal_value(data))
+        if len(set(items)) != len(items):
+            self.fail("duplicates")
+        return items
+
+
 def queue_field(**kwargs: Any) -> StrictRegexField:
     return StrictRegexField(
         QUEUE_PATTERN,
@@ -368,7 +380,7 @@ class TaskCreateSerializer(serializers.Serializer[Any]):
     priority = StrictIntegerField(required=False, default=0, min_value=-1000, max_value=1000)
     max_failures = StrictIntegerField(required=False, min_value=1, max_value=100)
     run_after = TimeField(required=False, allow_null=True, default=None)
-    depends_on = serializers.ListField(
+    depends_on = UniqueListField(
         child=task_id_field(),
         required=False,
         default=list,
@@ -395,11 +407,6 @@ class TaskCreateSerializer(serializers.Serializer[Any]):
             "(default: TASKBOARD_MAX_ATTEMPT_SECONDS, unset = no limit)."
         ),
     )
-
-    def validate_depends_on(self, value: list[int]) -> list[int]:
-        if len(set(value)) != len(value):
-            raise serializers.ValidationError("List each task once.")
-        return value
 
 
 class CommentSerializer(serializers.Serializer[Any]):

@@ -24,6 +24,7 @@ from board import transitions, waiting
 from board.access import QueueAccess, queue_access
 from board.api import serializers as s
 from board.api.permissions import IsStaff, MayTriage
+from board.exceptions import ReferencedTaskNotFound
 from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskQuerySet
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -158,6 +159,10 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
             ),
             **ERRORS_400,
             **ERRORS_403_QUEUE,
+            404: OpenApiResponse(
+                s.ErrorSerializer,
+                description="not_found: a task named in depends_on or parent_id does not exist.",
+            ),
             409: OpenApiResponse(
                 s.ErrorSerializer,
                 description="idempotency_conflict: the key was used before with another body.",
@@ -211,18 +216,16 @@ class TaskViewSet(BoardViewSet):
         )
 
     def _check_tasks_exist(self, data: dict[str, Any]) -> None:
-        """Refuse dependencies and parents that are not tasks the caller can see."""
+        """Refuse dependencies and parents that are not tasks the caller can see (404, as
+        for a task asked for by id: a schema-valid id that names nothing)."""
         wanted = {*data["depends_on"], *([data["parent_id"]] if data["parent_id"] else [])}
         if not wanted:
             return
         found = set(self.get_queryset().filter(id__in=wanted).values_list("id", flat=True))
-        errors = {}
         if missing := sorted(set(data["depends_on"]) - found):
-            errors["depends_on"] = [f"No such task: {', '.join(map(str, missing))}."]
+            raise ReferencedTaskNotFound(missing[0], "depends_on")
         if data["parent_id"] and data["parent_id"] not in found:
-            errors["parent_id"] = [f"No such task: {data['parent_id']}."]
-        if errors:
-            raise exceptions.ValidationError(errors)
+            raise ReferencedTaskNotFound(data["parent_id"], "parent_id")
 
     @extend_schema(
         summary="Comment on a task",
@@ -475,7 +478,8 @@ class EventViewSet(BoardViewSet):
 ERRORS_403_STAFF = {
     403: OpenApiResponse(
         s.ErrorSerializer, description="permission_denied: staff only; " + FORBIDDEN_QUEUE
-    )
+    ),
+    404: OpenApiResponse(s.ErrorSerializer, description="Not a queue name."),
 }
 
 
@@ -484,6 +488,8 @@ class QueueViewSet(BoardViewSet):
 
     lookup_field = "name"
     lookup_value_regex = QUEUE_PATTERN.strip("^").removesuffix(r"\Z")
+    # For DRF's OPTIONS answer, which describes the body of the POST actions.
+    serializer_class = s.NoteSerializer
 
     @extend_schema(
         operation_id="queues_list",
@@ -531,6 +537,8 @@ class QueueViewSet(BoardViewSet):
 
 class AgentViewSet(BoardViewSet):
     # Who holds what, and how each agent's leases ended lately.
+
+    serializer_class = s.AgentSerializer
 
     @extend_schema(
         operation_id="agents_list",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from typing import Any
 
 from django import template
@@ -41,3 +42,29 @@ def event_data(payload: dict[str, Any]) -> list[tuple[str, str, str]]:
         else:
             rows.append((key, json.dumps(value, ensure_ascii=False, sort_keys=True), "json"))
     return rows
+
+
+@register.filter
+def get_item(mapping: dict[str, Any], key: str) -> Any:
+    """Return ``mapping[key]``, or None when it has no such key."""
+    return mapping.get(key)
+
+
+@register.filter
+def iso_time(value: datetime | str) -> str:
+    """Return a time as ISO 8601 (a string, as the API writes it, stays as it is)."""
+    return value.isoformat() if isinstance(value, datetime) else str(value)
+
+
+@register.filter
+def blockers_for(task: Any, dependencies: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return what keeps ``task`` blocked: its dependencies that are not done, in the order
+    they were given, from ``dependencies`` (board.views.dependencies_of)."""
+    found = [dependencies.get(pk, {"id": pk, "hidden": True}) for pk in task.depends_on]
+    return [dep for dep in found if dep.get("status") != "done"]
+
+
+@register.filter
+def compact_json(value: Any) -> str:
+    """Return ``value`` as JSON on one line, keys sorted."""
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)

@@ -6,9 +6,13 @@
  * (EventSource on /api/v1/stream/?lastEventId=<resume id>) and applies every other event,
  * in order, exactly once: no reload and no polling.
  *
- * Every change goes through the REST API with the session cookie and the CSRF token. A
+ * A holder's changes go through the REST API with the session cookie and the CSRF token. A
  * person's claim keeps its lease_token in sessionStorage (one tab holds one lease); the
- * open page heartbeats at a third of the lease and says so when the lease is lost.
+ * open page heartbeats at a third of the lease and says so when the lease is lost. Comments
+ * and pausing a queue are plain forms that post to the page's own views.
+ *
+ * The board's queues and agents panels are no events of their own: the page fetches them
+ * again from the API (queues/, agents/) shortly after events arrive, and every so often.
  *
  * User text only ever reaches the page through textContent (the h() helper below).
  */
@@ -35,7 +39,7 @@
       else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
       else node.setAttribute(key, value === true ? "" : String(value));
     }
-    for (const child of children.flat()) {
+    for (const child of children.flat(Infinity)) {
       if (child === null || child === undefined || child === false) continue;
       node.append(child instanceof Node ? child : String(child));
     }
@@ -100,7 +104,9 @@
       const iso = node.getAttribute("datetime");
       if (!iso || Number.isNaN(Date.parse(iso))) continue;
       node.title = absolute(iso);
-      node.textContent = node.closest(".card-meta, .event-head") ? relative(iso) : absolute(iso);
+      node.textContent = node.closest(".card-meta, .event-head, .glance-table")
+        ? relative(iso)
+        : absolute(iso);
     }
   }
 
@@ -117,6 +123,22 @@
       const badge = document.querySelector('[data-field="stalled"]');
       if (badge && node.closest(".holder-panel")) badge.hidden = !stalled;
     }
+    for (const node of root.querySelectorAll(".deadline[data-deadline]")) {
+      const deadline = Date.parse(node.dataset.deadline);
+      if (Number.isNaN(deadline)) continue;
+      const left = deadline - serverNow();
+      node.textContent = left <= 0 ? "attempt deadline passed" : `attempt: ${countdown(left)}`;
+      node.classList.toggle("is-passed", left <= 0);
+    }
+  }
+
+  /** When the current attempt on ``task`` must end, as an ISO time, or null. */
+  function deadlineOf(task) {
+    if (task.status !== "in_progress") return null;
+    if (task.attempt_deadline) return task.attempt_deadline;
+    if (!task.attempt_started_at || !task.max_attempt_seconds) return null;
+    return new Date(Date.parse(task.attempt_started_at) + task.max_attempt_seconds * 1000)
+      .toISOString();
   }
 
   // -- Notices ---------------------------------------------------------------------------
@@ -131,6 +153,14 @@
     notices?.append(notice);
     if (!sticky) setTimeout(() => notice.remove(), 6000);
     return notice;
+  }
+
+  // The messages of a form the server answered (a pause, a resume): dismissed the same way.
+  for (const notice of document.querySelectorAll("[data-server-notice]")) {
+    const close = h("button", { type: "button", "aria-label": "Dismiss" }, "✕");
+    close.addEventListener("click", () => notice.remove());
+    notice.append(close);
+    setTimeout(() => notice.remove(), 6000);
   }
 
   // -- The REST API ----------------------------------------------------------------------
@@ -377,6 +407,9 @@
         return event.payload?.previous_status ?? null;
       case "resolved":
         return "escalated";
+      case "commented":
+      case "unblocked":
+        return event.status; // neither changes the status
       default:
         return "in_progress";
     }
@@ -391,13 +424,17 @@
       description: "", payload: {}, status: "pending", failure_count: 0, max_failures: null,
       run_after: null, leased_by: null, leased_until: null, lease_expired: false, result: null,
       last_error: null, created_by: event.actor, created_at: event.created_at,
-      updated_at: event.created_at,
+      updated_at: event.created_at, depends_on: payload.depends_on ?? [],
+      blocked: payload.blocked ?? false, parent_id: payload.parent_id ?? null, progress: null,
+      max_attempt_seconds: null, attempt_started_at: null,
     };
   }
 
   /** Change ``task`` (the API's Task shape) as ``event`` says. */
   function applyToTask(task, event) {
     const payload = event.payload || {};
+    // A comment changes nothing on the task, not even when it was last updated.
+    if (event.type === "commented") return task;
     const before = task.status;
     task.status = event.status;
     task.updated_at = event.created_at;
@@ -407,9 +444,13 @@
       case "claimed":
         task.leased_by = event.actor;
         task.leased_until = payload.lease_until;
+        task.attempt_started_at = event.created_at;
+        task.attempt_deadline = payload.attempt_deadline ?? null;
         break;
       case "heartbeat":
         task.leased_until = payload.lease_until;
+        // A heartbeat without progress keeps the last one.
+        if (payload.progress !== undefined) task.progress = payload.progress;
         break;
       case "completed":
       case "resolved":
@@ -420,16 +461,23 @@
         if (payload.run_after) task.run_after = payload.run_after;
         break;
       case "expired":
-        task.last_error = `lease expired (held by ${payload.previous_holder})`;
+        task.last_error = payload.reason === "attempt_deadline"
+          ? `attempt deadline passed (held by ${payload.previous_holder})`
+          : `lease expired (held by ${payload.previous_holder})`;
+        break;
+      case "unblocked":
+        task.blocked = false;
         break;
       case "escalated":
         // From the holder's escalate; after a failure or an expiry the error stays.
         if (before === "in_progress" && payload.error === undefined) task.last_error = payload.reason;
         break;
       case "requeued":
+        // Whether it is blocked again is the server's to say: see needsRefetch().
         task.failure_count = 0;
         task.run_after = null;
         task.result = null;
+        task.progress = null;
         break;
       default:
         break;
@@ -437,9 +485,60 @@
     if (task.status !== "in_progress") {
       task.leased_by = null;
       task.leased_until = null;
+      task.attempt_started_at = null;
+      task.attempt_deadline = null;
     }
+    if (task.status !== "pending") task.blocked = false;
     return task;
   }
+
+  /** Whether the page must read ``task`` again after ``event`` to show it right: a task
+   * with dependencies that went back to pending may be blocked again. */
+  function needsRefetch(task, event) {
+    return event.type === "requeued" && (task.depends_on ?? []).length > 0;
+  }
+
+  /** A link to a related task with its status: "#12 (in progress)". */
+  function taskLink(info) {
+    if (!info || info.hidden) {
+      return h("span", { class: "blocker" }, `#${info?.id ?? "?"}`);
+    }
+    return [
+      h("a", { class: "blocker", href: `/tasks/${info.id}/` }, `#${info.id}`),
+      info.status ? [" ", h("span", { class: `badge badge-${info.status}` }, label(info.status))] : null,
+    ];
+  }
+
+  /** What the page knows of tasks it does not draw in full (dependencies, related tasks):
+   * id -> {id, title, status, blocked} or {id, hidden: true} for another queue's. Events
+   * keep their status current; unknown ones are fetched once. */
+  const Known = {
+    tasks: new Map(),
+    set(info) {
+      this.tasks.set(info.id, { ...this.tasks.get(info.id), ...info });
+    },
+    get(id) {
+      return this.tasks.get(id);
+    },
+    /** Follow ``event`` on a task the page knows of; return whether it knew it. */
+    follow(event) {
+      const info = this.tasks.get(event.task_id);
+      if (!info || info.hidden) return false;
+      info.status = event.status;
+      if (event.type === "unblocked" || event.status !== "pending") info.blocked = false;
+      return true;
+    },
+    /** Fetch what the page does not know yet of ``ids`` (a 404: another queue's). */
+    async learn(ids) {
+      const missing = ids.filter((id) => !this.tasks.has(id));
+      await Promise.all(missing.map(async (id) => {
+        const task = await fetchTask(id);
+        this.set(task
+          ? { id, title: task.title, status: task.status, blocked: task.blocked }
+          : { id, hidden: true });
+      }));
+    },
+  };
 
   /** Open the stream and hand each event to ``onEvent``, in order. */
   function connect(onEvent) {
@@ -535,8 +634,9 @@
     const finished = task.status === "done" || task.status === "cancelled";
     const mine = inProgress && task.leased_by === ME && Boolean(Leases.get(task.id));
     const due = task.status === "pending" && task.run_after && time(task.run_after) > serverNow();
+    const deadline = deadlineOf(task);
     const card = h("article", {
-      class: `card status-${task.status}${mine ? " mine" : ""}`,
+      class: `card status-${task.status}${mine ? " mine" : ""}${task.blocked ? " blocked" : ""}`,
       dataset: { taskId: task.id },
     },
       h("div", { class: "card-top" },
@@ -547,6 +647,13 @@
           ? h("span", { class: "chip chip-strikes", title: "Failures since the last requeue" },
             `${task.failure_count}/${task.max_failures ?? "?"} strikes`)
           : null,
+        task.parent_id
+          ? h("a", { class: "chip chip-parent", href: `/tasks/${task.parent_id}/`, title: `A subtask of #${task.parent_id}` },
+            `sub of #${task.parent_id}`)
+          : null,
+        task.blocked
+          ? h("span", { class: "chip chip-blocked", title: "Not claimable until its dependencies are done" }, "blocked")
+          : null,
         finished ? h("span", { class: `badge badge-${task.status}` }, label(task.status)) : null),
       h("a", { class: "card-title", href: url }, task.title),
       inProgress
@@ -554,6 +661,10 @@
           h("span", { class: "holder", title: "Holder" }, task.leased_by),
           h("span", { class: "lease", dataset: { until: task.leased_until } }))
         : null,
+      deadline
+        ? h("p", { class: "card-deadline" }, h("span", { class: "deadline", dataset: { deadline } }))
+        : null,
+      task.blocked ? blockersLine(task) : null,
       task.last_error && task.status !== "done"
         ? h("p", { class: "card-error" }, truncate(task.last_error, 160))
         : null,
@@ -568,6 +679,135 @@
     return card;
   }
 
+  /** "Waiting for #3 (in progress), #5 (cancelled)": the dependencies that are not done. */
+  function blockersLine(task) {
+    const open = (task.depends_on ?? []).filter((id) => Known.get(id)?.status !== "done");
+    const links = open.map((id, index) => [index ? ", " : null, taskLink(Known.get(id) ?? { id })]);
+    return h("p", { class: "card-blockers", dataset: { blockers: "" } },
+      "Waiting for ", links.length ? links : "its dependencies");
+  }
+
+  // -- The queues and agents panels ------------------------------------------------------
+
+  const QUEUE_COUNTS = ["pending", "blocked", "in_progress", "escalated", "done", "cancelled"];
+
+  function queueRow(queue) {
+    const counts = queue.counts || {};
+    const here = `${location.pathname}${location.search}`;
+    const verb = queue.paused ? "resume" : "pause";
+    return h("tr", { class: queue.paused ? "paused" : null, dataset: { queue: queue.name } },
+      h("th", { scope: "row" },
+        h("a", { href: `/?queue=${encodeURIComponent(queue.name)}` }, queue.name),
+        queue.paused
+          ? [" ", h("span", {
+            class: "badge badge-paused",
+            title: queue.changed_by ? `by ${queue.changed_by}${queue.note ? `: ${queue.note}` : ""}` : null,
+          }, "paused")]
+          : null),
+      QUEUE_COUNTS.map((key) => h("td", { class: "n", dataset: { n: key } }, counts[key] ?? 0)),
+      h("td", { class: "when" }, queue.oldest_pending_at ? timeElement(queue.oldest_pending_at) : "—"),
+      STATE.can_pause
+        ? h("td", { class: "pause-cell" },
+          h("form", { class: "pause-form", method: "post", action: `/queues/${encodeURIComponent(queue.name)}/${verb}/` },
+            h("input", { type: "hidden", name: "csrfmiddlewaretoken", value: csrfToken() }),
+            h("input", { type: "hidden", name: "next", value: here }),
+            h("input", {
+              class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note (optional)",
+              "aria-label": `Note on ${queue.name}`,
+            }),
+            h("button", {
+              type: "submit", class: `button small${queue.paused ? "" : " danger"}`,
+              "aria-label": `${queue.paused ? "Resume" : "Pause"} ${queue.name}`,
+            },
+              queue.paused ? "Resume" : "Pause")))
+        : null);
+  }
+
+  function agentRow(agent) {
+    const holding = agent.holding ?? [];
+    return h("tr", { dataset: { agent: agent.name } },
+      h("th", { scope: "row" }, agent.name),
+      h("td", { class: "holding" }, holding.length
+        ? holding.map((id, index) => [index ? " " : null, h("a", { href: `/tasks/${id}/` }, `#${id}`)])
+        : h("span", { class: "muted" }, "nothing")),
+      h("td", { class: "when" }, agent.last_seen_at ? timeElement(agent.last_seen_at) : "—"),
+      h("td", { class: "n", title: "completed, failed and expired in the last 24 hours" },
+        `${agent.completed_24h ?? 0} · ${agent.failed_24h ?? 0} · ${agent.expired_24h ?? 0}`));
+  }
+
+  /** Those holding tasks first, then the most recently seen, as the server orders them. */
+  function agentOrder(a, b) {
+    const holds = (agent) => ((agent.holding ?? []).length ? 0 : 1);
+    return holds(a) - holds(b)
+      || (time(b.last_seen_at) - time(a.last_seen_at))
+      || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0);
+  }
+
+  const results = (data) => (Array.isArray(data) ? data : data?.results ?? []);
+
+  /** Draw the panels from ``STATE``, then fetch them again soon after events. */
+  function glancePanels() {
+    const queuesBody = document.querySelector("[data-queues]");
+    const agentsBody = document.querySelector("[data-agents]");
+    if (!queuesBody || !agentsBody) return () => {};
+
+    function drawQueues(queues) {
+      const rows = new Map([...queuesBody.children].map((row) => [row.dataset.queue, row]));
+      const sorted = [...queues].sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
+      const names = new Set(sorted.map((queue) => queue.name));
+      for (const [name, row] of rows) if (!names.has(name)) row.remove();
+      sorted.forEach((queue, index) => {
+        const fresh = queueRow(queue);
+        let row = rows.get(queue.name);
+        if (row && row.classList.contains("paused") === Boolean(queue.paused)) {
+          // The same state: take the new numbers and times, and keep the rest (a note
+          // someone is typing in the form, and its focus; who paused it, which the API
+          // does not repeat).
+          [...fresh.children].forEach((cell, at) => {
+            if (cell.matches(".n, .when")) row.children[at].replaceWith(cell);
+          });
+        } else {
+          row?.remove();
+          row = fresh;
+        }
+        if (queuesBody.children[index] !== row) {
+          queuesBody.insertBefore(row, queuesBody.children[index] ?? null);
+        }
+      });
+      document.querySelector("[data-queues-empty]").hidden = queues.length > 0;
+    }
+
+    function drawAgents(agents) {
+      const sorted = [...agents].sort(agentOrder).slice(0, STATE.agents_limit ?? 50);
+      agentsBody.replaceChildren(...sorted.map(agentRow));
+      document.querySelector("[data-agents-empty]").hidden = agents.length > 0;
+    }
+
+    drawQueues(STATE.queues ?? []);
+    drawAgents(STATE.agents ?? []);
+
+    let timer = null;
+    let last = 0;
+    async function refresh() {
+      timer = null;
+      last = Date.now();
+      const [queues, agents] = await Promise.all([api("GET", "queues/"), api("GET", "agents/")]);
+      if (queues.ok) drawQueues(results(queues.data));
+      if (agents.ok) drawAgents(results(agents.data));
+      refreshTimes(queuesBody.closest(".glance"));
+    }
+
+    /** Fetch the panels again within two seconds (once, however many events come). */
+    function soon() {
+      if (timer) return;
+      timer = setTimeout(refresh, Math.max(0, 2000 - (Date.now() - last)));
+    }
+
+    // A pause or resume is no task event, and last seen moves on: look again now and then.
+    setInterval(soon, 15000);
+    return soon;
+  }
+
   function boardPage() {
     const columns = {};
     for (const section of document.querySelectorAll("[data-column]")) {
@@ -578,6 +818,17 @@
     const foreign = new Set(); // tasks of other queues, when the board is filtered
     const seen = eventIds(STATE.skip);
     const counts = { ...STATE.counts };
+    // dependency id -> the ids of the drawn tasks that depend on it, to redraw their
+    // "Waiting for" when it changes, and to read them again when it is requeued.
+    const dependents = new Map();
+    const glanceSoon = glancePanels();
+
+    function index(task) {
+      for (const dep of task.depends_on ?? []) {
+        if (!dependents.has(dep)) dependents.set(dep, new Set());
+        dependents.get(dep).add(task.id);
+      }
+    }
 
     function cardOf(id) {
       return document.querySelector(`.columns .card[data-task-id="${id}"]`);
@@ -636,7 +887,11 @@
     async function apply(event) {
       if (seen.has(event.id)) return;
       seen.add(event.id);
+      glanceSoon();
       const id = event.task_id;
+      // Known (dependencies of drawn cards) follows every task, also of other queues.
+      Known.follow(event);
+      await redrawDependents(id, event);
       if (foreign.has(id)) return;
       if (event.type === "created") addQueueOption(event.payload?.queue ?? "default");
       let task = tasks.get(id);
@@ -651,6 +906,10 @@
       }
       const before = statusOf.has(id) ? statusOf.get(id) : previousStatus(event);
       applyToTask(task, event);
+      if (needsRefetch(task, event)) Object.assign(task, await fetchTask(id) ?? {});
+      Known.set({ id, title: task.title, status: task.status, blocked: task.blocked });
+      if (task.blocked) await Known.learn(task.depends_on ?? []);
+      index(task);
       if (before !== task.status) {
         if (before) counts[before] -= 1;
         counts[task.status] += 1;
@@ -663,15 +922,33 @@
       Leases.check(task, event);
     }
 
+    /** Redraw the cards waiting for task ``id`` after ``event`` on it; after a requeue of
+     * a done task, read them again: each waits for it once more. */
+    async function redrawDependents(id, event) {
+      const waiting = [...(dependents.get(id) ?? [])].filter((other) => tasks.has(other));
+      if (!waiting.length) return;
+      const reopened = event.type === "requeued" && event.payload?.previous_status === "done";
+      for (const other of waiting) {
+        if (reopened) {
+          const fresh = await fetchTask(other);
+          if (fresh) Object.assign(tasks.get(other), fresh);
+        }
+        place(tasks.get(other));
+      }
+    }
+
     Leases.onChange = (id) => {
       const task = tasks.get(id);
       if (task) place(task);
     };
 
     // Draw every card with the same code that draws the live changes.
+    for (const info of Object.values(STATE.dependencies ?? {})) Known.set(info);
     for (const task of STATE.tasks) {
       tasks.set(task.id, task);
       statusOf.set(task.id, task.status);
+      Known.set({ id: task.id, title: task.title, status: task.status, blocked: task.blocked });
+      index(task);
     }
     for (const task of STATE.tasks) place(task);
     refreshCounts();
@@ -772,13 +1049,34 @@
   }
 
   function renderEvent(event) {
-    return h("li", { class: `event event-${event.type} new`, dataset: { eventId: event.id } },
+    const payload = event.payload || {};
+    return h("li", {
+      class: `event event-${event.type} new`, id: `event-${event.id}`, dataset: { eventId: event.id },
+    },
       h("div", { class: "event-head" },
         h("span", { class: "event-type" }, event.type),
         h("span", { class: "event-actor" }, "by ", h("b", {}, event.actor)),
         h("span", { class: `badge badge-${event.status}` }, label(event.status)),
         timeElement(event.created_at)),
-      eventData(event.payload || {}));
+      event.type === "commented"
+        ? h("p", { class: "comment-body" }, String(payload.body ?? ""))
+        : eventData(payload));
+  }
+
+  /** A related task on a task's page: link, status, blocked, and a child's progress. */
+  function relatedItem(item, { progress = false } = {}) {
+    if (item.hidden) {
+      return h("span", { class: "related", dataset: { relatedId: item.id } },
+        `#${item.id} `, h("span", { class: "muted" }, "(a queue you cannot see)"));
+    }
+    const shown = progress && item.progress !== null && item.progress !== undefined
+      ? truncate(JSON.stringify(sortedKeys(item.progress)), 120)
+      : null;
+    return h("span", { class: "related", dataset: { relatedId: item.id } },
+      h("a", { href: `/tasks/${item.id}/` }, `#${item.id} ${item.title ?? ""}`), " ",
+      h("span", { class: `badge badge-${item.status}` }, label(item.status)),
+      item.blocked ? [" ", h("span", { class: "badge badge-blocked" }, "blocked")] : null,
+      shown ? [" ", h("code", { class: "related-progress", title: "Latest progress" }, shown)] : null);
   }
 
   function taskPage() {
@@ -787,6 +1085,59 @@
     const timeline = document.querySelector("[data-timeline]");
     const field = (name) => document.querySelector(`[data-field="${name}"]`);
     for (const item of timeline.children) seen.add(Number(item.dataset.eventId));
+
+    const relations = STATE.relations ?? { parent: null, children: [], dependencies: [], dependents: [] };
+    // Every related task by id (one task may be in two lists), kept current by events.
+    const related = new Map();
+    const remember = (item) => {
+      const known = related.get(item.id);
+      if (known) return Object.assign(known, item);
+      related.set(item.id, item);
+      return item;
+    };
+    if (relations.parent) relations.parent = remember(relations.parent);
+    for (const key of ["children", "dependencies", "dependents"]) {
+      relations[key] = relations[key].map(remember);
+    }
+
+    function fillRelations() {
+      const parent = document.querySelector('[data-relation="parent"]');
+      parent?.replaceChildren(relations.parent ? relatedItem(relations.parent) : h("span", { class: "muted" }, "none"));
+      const empty = { children: "none", dependencies: "nothing", dependents: "none" };
+      for (const key of Object.keys(empty)) {
+        const list = document.querySelector(`[data-relation="${key}"]`);
+        if (!list) continue;
+        const items = relations[key].map((item) => h("li", {}, relatedItem(item, { progress: key === "children" })));
+        list.replaceChildren(...(items.length ? items : [h("li", { class: "muted" }, empty[key])]));
+      }
+    }
+
+    /** Follow an event on another task: a related one's status, a new child or dependent. */
+    async function applyToRelated(event) {
+      const payload = event.payload || {};
+      if (event.type === "created" && !related.has(event.task_id)) {
+        const item = {
+          id: event.task_id, title: payload.title, status: event.status,
+          blocked: payload.blocked ?? false, progress: null,
+        };
+        if (payload.parent_id === task.id) relations.children.push(remember(item));
+        if ((payload.depends_on ?? []).includes(task.id)) relations.dependents.push(remember(item));
+        fillRelations();
+        return;
+      }
+      const item = related.get(event.task_id);
+      if (!item || item.hidden) return;
+      item.status = event.status;
+      if (event.type === "unblocked" || event.status !== "pending") item.blocked = false;
+      if (event.type === "heartbeat" && payload.progress !== undefined) item.progress = payload.progress;
+      if (event.type === "requeued") {
+        // Whether it is blocked again is the server's to say; a requeue clears progress.
+        item.progress = null;
+        const fresh = await fetchTask(item.id);
+        if (fresh) Object.assign(item, { status: fresh.status, blocked: fresh.blocked });
+      }
+      fillRelations();
+    }
 
     function fill() {
       const status = field("status");
@@ -801,6 +1152,17 @@
       else delete lease.dataset.until;
       lease.textContent = "";
       field("stalled").hidden = true;
+      field("blocked").hidden = !task.blocked;
+      const deadline = deadlineOf(task);
+      const deadlineNode = field("deadline");
+      deadlineNode.hidden = !deadline;
+      if (deadline) deadlineNode.dataset.deadline = deadline;
+      else delete deadlineNode.dataset.deadline;
+      deadlineNode.textContent = "";
+      const hasProgress = task.progress !== null && task.progress !== undefined;
+      field("progress").hidden = !hasProgress;
+      field("progress").textContent = hasProgress ? prettyJSON(task.progress) : "";
+      field("no-progress").hidden = hasProgress;
       const actions = panel.querySelector("[data-actions]");
       actions.replaceChildren(...[holdingOf(task, { withResult: true })].filter(Boolean));
       field("strikes").textContent = `${task.failure_count} of ${task.max_failures}`;
@@ -817,11 +1179,20 @@
       refreshTimes();
     }
 
-    function apply(event) {
-      if (event.task_id !== task.id || seen.has(event.id)) return;
+    async function apply(event) {
+      if (event.task_id !== task.id) {
+        await applyToRelated(event);
+        return;
+      }
+      if (seen.has(event.id)) return;
       seen.add(event.id);
       timeline.append(renderEvent(event));
       applyToTask(task, event);
+      if (needsRefetch(task, event)) {
+        // Whether a requeued task is blocked again is not in the event: ask the server.
+        const fresh = await fetchTask(task.id);
+        if (fresh) task.blocked = fresh.blocked;
+      }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
       Leases.check(task, event);
@@ -830,6 +1201,7 @@
     Leases.onChange = (id) => {
       if (id === task.id) fill();
     };
+    fillRelations();
     fill();
     connect(serially(apply));
   }
