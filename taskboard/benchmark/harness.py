@@ -106,6 +106,15 @@ class ScenarioResult:
         return data
 
 
+def count_label(count: int) -> str:
+    """Return ``count`` as a figure's name says it: 950, 100k, 1M."""
+    if count >= 1_000_000 and count % 1_000_000 == 0:
+        return f"{count // 1_000_000:,}M"
+    if count >= 1_000 and count % 1_000 == 0:
+        return f"{count // 1_000:,}k"
+    return f"{count:,}"
+
+
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else math.inf
 
@@ -418,6 +427,56 @@ def insert_tasks(
 ) -> None:
     """Insert ``count`` tasks in one statement (no events: nothing reads them here)."""
     database.execute(INSERT_TASKS, {"status": status, "count": count, "created_by": created_by})
+
+
+# What GET queues/ counts, by a scan of tasks: blocked apart from pending.
+COUNT_BY_QUEUE = """
+SELECT queue,
+       count(*) FILTER (WHERE status = 'pending' AND open_dependencies = 0) AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND open_dependencies > 0) AS blocked,
+       count(*) FILTER (WHERE status = 'in_progress') AS in_progress,
+       count(*) FILTER (WHERE status = 'escalated') AS escalated,
+       count(*) FILTER (WHERE status = 'done') AS done,
+       count(*) FILTER (WHERE status = 'cancelled') AS cancelled
+FROM tasks
+GROUP BY queue
+ORDER BY queue
+"""
+STATUS_COUNTS = ("pending", "blocked", "in_progress", "escalated", "done", "cancelled")
+
+
+def count_mismatches(counted: dict[str, dict[str, int]], listed: list[dict[str, Any]]) -> list[str]:
+    """Compare queue items as GET queues/ lists them with counts by a scan; return what
+    differs, one line per queue (empty when they agree). A queue listed with all counts
+    zero is the same as a queue not listed."""
+    kept = {
+        item["name"]: {k: int(item["counts"].get(k, 0)) for k in STATUS_COUNTS} for item in listed
+    }
+    zero = dict.fromkeys(STATUS_COUNTS, 0)
+    lines = []
+    for queue in sorted(set(counted) | set(kept)):
+        scanned = counted.get(queue, zero)
+        answered = kept.get(queue, zero)
+        if scanned != answered:
+            lines.append(f"{queue}: listed {answered}, COUNT(*) {scanned}")
+    return lines
+
+
+def queue_count_mismatches(scratch: Scratch, database: Database) -> list[str]:
+    """Compare board.queues.queue_list() on ``database`` with a COUNT(*) of its tasks."""
+    from board.queues import queue_list
+
+    counted = {}
+    with database.connect() as conn:
+        cur = conn.execute(COUNT_BY_QUEUE)
+        for row in cur.fetchall():
+            counted[row[0]] = dict(zip(STATUS_COUNTS, map(int, row[1:]), strict=True))
+    scratch.use(database.name)
+    try:
+        listed = queue_list()
+    finally:
+        scratch.release()
+    return count_mismatches(counted, listed)
 
 
 # -- the server under test ----------------------------------------------------------------

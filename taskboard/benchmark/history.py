@@ -66,18 +66,22 @@ def _insert_tasks_sql() -> str:
     return INSERT_TASKS
 
 
-def claim_latencies(actor: str, count: int) -> list[float]:
-    """Claim (timed) and complete ``count`` tasks one by one; return latencies in ms."""
+def claim_latencies(
+    actor: str, count: int, *, queues: list[str] | None = None, warm: int = 0
+) -> list[float]:
+    """Claim (timed) and complete ``count`` tasks one by one, after ``warm`` untimed ones
+    on the same connection; return latencies in ms."""
     from django.db import connection
 
     from board import transitions
 
     latencies = []
     try:
-        for _ in range(count):
+        for number in range(warm + count):
             started = time.perf_counter()
-            claims = transitions.claim(actor=actor, lease_seconds=300)
-            latencies.append((time.perf_counter() - started) * 1000)
+            claims = transitions.claim(actor=actor, queues=queues, lease_seconds=300)
+            if number >= warm:
+                latencies.append((time.perf_counter() - started) * 1000)
             if not claims:
                 raise RuntimeError("ran out of pending tasks")
             transitions.complete(

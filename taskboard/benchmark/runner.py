@@ -26,7 +26,7 @@ from taskboard.benchmark.harness import (
 )
 
 # In running order: the cheap ones first.
-SCENARIOS = ["api", "peer", "history", "fanout", "waiting", "churn"]
+SCENARIOS = ["api", "peer", "history", "blocked", "queues", "fanout", "waiting", "churn"]
 
 
 @dataclass
@@ -42,6 +42,10 @@ class Context:
 
     def database(self, scenario: str) -> Any:
         return self.scratch.database(scenario)
+
+    def use(self, database: Database) -> None:
+        """Point Django's default connection at ``database``, one of several held open."""
+        self.scratch.use(database.name)
 
     def server(self, database: Database) -> Server:
         return Server(database, self.output_dir / "server.log", self.progress)
