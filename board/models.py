@@ -134,6 +134,10 @@ class Task(models.Model):
     # tasks cost a claim nothing. Kept by board.transitions (create, complete, resolve,
     # requeue).
     open_dependencies = models.PositiveIntegerField(default=0, db_default=0, editable=False)
+    # Set (for good) by the create of a task that depends on this one, in the statement
+    # that locks this row: the complete (or resolve) that makes this task done reads it in
+    # its own row and runs the statement that unblocks dependents only when it is set.
+    has_dependents = models.BooleanField(default=False, db_default=False, editable=False)
     # Indexed partially in migration 0008 (children are listed by parent; few tasks have one).
     parent = models.ForeignKey(
         "self",

@@ -298,8 +298,19 @@ def complete(*, task_id: int, actor: Actor, lease_token: str, result: Any = None
         task = _holder_transition(
             "complete", task_id=task_id, actor=actor, lease_token=lease_token, result=_json(result)
         )
-        _rows("unblock_dependents", {"task_id": task_id})
+        _unblock_dependents(task)
     return task
+
+
+def _unblock_dependents(task: Task) -> None:
+    """After ``task`` became done: unblock the tasks that waited for it, if any ever did.
+
+    ``has_dependents`` is read from the row the transition wrote, which is the version
+    after any create that added an edge and committed first (the create locks the row), so
+    a task that nothing depends on costs no second statement.
+    """
+    if task.has_dependents:
+        _rows("unblock_dependents", {"task_id": task.pk})
 
 
 def fail(
@@ -339,7 +350,7 @@ def requeue(*, task_id: int, actor: Actor, note: str | None = None) -> Task:
         rows = _rows("requeue", {"task_id": task_id, "actor": _username(actor), "note": note})
         if not rows:
             raise InvalidTransition(task_id, _current_status(task_id), "requeue", REQUEUE_FROM)
-        if rows[0]["previous_status"] == TaskStatus.DONE:
+        if rows[0]["previous_status"] == TaskStatus.DONE and rows[0]["has_dependents"]:
             # Open again: the tasks that depend on it wait for it again.
             _rows("reblock_dependents", {"task_id": task_id})
     return _task(rows[0])
@@ -356,7 +367,7 @@ def resolve(*, task_id: int, actor: Actor, note: str | None = None, result: Any 
             note=note,
             result=_json(result),
         )
-        _rows("unblock_dependents", {"task_id": task_id})
+        _unblock_dependents(task)
     return task
 
 

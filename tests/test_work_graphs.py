@@ -135,6 +135,28 @@ def test_a_dependency_completing_while_a_dependent_is_created_never_strands_it(
     assert Task.objects.filter(status=TaskStatus.PENDING, open_dependencies=0).count() == rounds
 
 
+def test_concurrent_creates_that_share_dependencies_never_deadlock(agent: Any) -> None:
+    # Each create locks and marks its dependencies: with a share lock upgraded by the mark,
+    # two creates of one dependency deadlocked.
+    shared = [transitions.create(actor=agent, title=f"shared {n}").pk for n in range(3)]
+
+    def work(index: int) -> list[int]:
+        rng = random.Random(index)
+        made = []
+        for _ in range(5):
+            depends_on = rng.sample(shared, k=rng.randint(1, 3))
+            made.append(transitions.create(actor=agent, title="d", depends_on=depends_on).pk)
+        return made
+
+    made = [pk for pks in in_threads(16, work) for pk in pks]
+
+    assert len(made) == 80
+    assert Task.objects.blocked().count() == 80
+    assert set(Task.objects.filter(pk__in=shared).values_list("has_dependents", flat=True)) == {
+        True
+    }
+
+
 def test_sixteen_threads_never_claim_a_task_before_all_its_dependencies_are_done() -> None:
     agents = [UserFactory(username=f"graph-agent-{i}") for i in range(16)]
     planner = UserFactory(username="planner")

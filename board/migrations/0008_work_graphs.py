@@ -427,6 +427,11 @@ class Migration(migrations.Migration):
         ),
         migrations.AddField(
             model_name="task",
+            name="has_dependents",
+            field=models.BooleanField(db_default=False, default=False, editable=False),
+        ),
+        migrations.AddField(
+            model_name="task",
             name="parent",
             field=models.ForeignKey(
                 blank=True,

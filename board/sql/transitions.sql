@@ -10,16 +10,25 @@
 -- name: create
 -- Insert a pending task, its dependency edges and its "created" event.
 --
--- The dependencies are locked FOR SHARE, so a dependency cannot complete between the count
--- of those not done and the commit of the edges: a complete that runs first has committed
--- when the lock is granted (and the row read here is its done version); one that runs
--- after waits for this commit, and its unblock_dependents sees the new edges.
+-- The dependencies are locked, so a dependency cannot complete between the count of those
+-- not done and the commit of the edges: a complete that ran first has committed when the
+-- lock is granted (and the row read here is its done version); one that runs after waits
+-- for this commit. Each dependency is marked has_dependents (written only when it was not
+-- yet): the complete reads the mark in its own row, the version after this commit, and
+-- only then runs unblock_dependents, whose own snapshot sees the new edges.
+-- The lock is FOR NO KEY UPDATE, the strength of the mark's UPDATE, taken in id order: two
+-- creates that share dependencies queue for them; with a share lock upgraded by the
+-- UPDATE, each would wait for the other's share lock (a deadlock).
 -- With an idempotency key, a repeat of the key by the same creator inserts nothing (and
 -- returns no row); board.transitions then reads the task the key created.
 WITH deps AS (
-    SELECT id, status FROM tasks
+    SELECT id, status, has_dependents FROM tasks
     WHERE id = ANY(%(depends_on)s::bigint[])
-    FOR SHARE
+    ORDER BY id
+    FOR NO KEY UPDATE
+), marked AS (
+    UPDATE tasks SET has_dependents = true
+    WHERE id IN (SELECT id FROM deps WHERE NOT has_dependents)
 ), task AS (
     INSERT INTO tasks (
         title, description, payload, queue, priority, max_failures, run_after,
@@ -397,10 +406,11 @@ WITH previous AS (
 SELECT * FROM task;
 
 -- name: unblock_dependents
--- After a task became done (complete, resolve): one open dependency fewer for each task
--- that depends on it, and an "unblocked" event for each pending one that has none left.
--- A statement of its own in the same transaction, after the one that made the task done:
--- its snapshot sees the edges of a create that waited for that statement's lock.
+-- After a task with has_dependents became done (complete, resolve): one open dependency
+-- fewer for each task that depends on it, and an "unblocked" event for each pending one
+-- that has none left. A statement of its own in the same transaction, after the one that
+-- made the task done: its snapshot sees the edges of a create that committed while that
+-- statement waited for its lock, which that statement's snapshot does not.
 WITH dependents AS (
     UPDATE tasks t SET open_dependencies = t.open_dependencies - 1, updated_at = now()
     FROM task_dependencies d
