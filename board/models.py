@@ -67,8 +67,11 @@ class TaskQuerySet(models.QuerySet["Task"]):
 
     def next_claimable_at(self, queues: Sequence[str] | None = None) -> datetime | None:
         """Return when the next task in ``queues`` becomes claimable without any event:
-        a pending task's future run_after, or an in-progress task's lease deadline."""
+        a pending task's future run_after, or an in-progress task's lease deadline. Paused
+        queues are left out (their resume is an event of its own), and so are blocked
+        tasks (their unblocking is an event)."""
         tasks = self.filter(queue__in=queues) if queues else self
+        tasks = tasks.exclude(queue__in=QueueState.objects.filter(paused=True).values("name"))
         due = tasks.filter(
             status=TaskStatus.PENDING, open_dependencies=0, run_after__gt=Now()
         ).aggregate(at=Min("run_after"))["at"]

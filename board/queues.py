@@ -60,11 +60,17 @@ def queue_detail(name: str, access: QueueAccess | None = None) -> dict[str, Any]
     }
 
 
-def agent_list(access: QueueAccess | None = None) -> list[dict[str, Any]]:
+def agent_list(
+    access: QueueAccess | None = None, viewer: str | None = None
+) -> list[dict[str, Any]]:
     """Every user that has claimed a task, by name: ``{"name", "holding", "last_seen_at",
-    "completed_24h", "failed_24h", "expired_24h"}``; ``holding`` lists only tasks of the
-    queues ``access`` may see."""
-    return [
+    "completed_24h", "failed_24h", "expired_24h"}``.
+
+    A reader limited to queues (``access``) sees only itself (``viewer``): the other
+    agents' sightings and counts are not kept per queue, so they would tell it about work
+    in queues it may not see.
+    """
+    agents = [
         {
             "name": row["name"],
             "holding": list(row["holding"]),
@@ -75,3 +81,6 @@ def agent_list(access: QueueAccess | None = None) -> list[dict[str, Any]]:
         }
         for row in _rows("agent_list", access)
     ]
+    if access is not None and access.limited:
+        agents = [agent for agent in agents if agent["name"] == viewer]
+    return agents

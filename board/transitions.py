@@ -106,14 +106,14 @@ def _instance(model: type[M], fields: dict[str, Any], row: dict[str, Any]) -> M:
 
 
 def _current_status(task_id: int) -> str:
-    rows = _rows("task_status", {"task_id": task_id})
+    rows = _rows("task_status", {"task_id": task_id, "actor": ""})
     if not rows:
         raise TaskNotFound(task_id)
     return str(rows[0]["status"])
 
 
-def _lease_lost(task_id: int) -> LeaseLost:
-    rows = _rows("task_status", {"task_id": task_id})
+def _lease_lost(task_id: int, actor: str) -> LeaseLost:
+    rows = _rows("task_status", {"task_id": task_id, "actor": actor})
     if not rows:
         raise TaskNotFound(task_id)
     return LeaseLost(
@@ -135,7 +135,7 @@ def _holder_transition(
         else []
     )
     if not rows:
-        raise _lease_lost(task_id)
+        raise _lease_lost(task_id, _username(actor))
     return _task(rows[0])
 
 

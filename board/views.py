@@ -172,11 +172,11 @@ def _stream_context(resume_id: int, skip: list[int]) -> dict[str, Any]:
     return {"resume_id": resume_id, "skip": skip, "now": timezone.now().isoformat()}
 
 
-def visible_agents(access: QueueAccess) -> list[dict[str, Any]]:
+def visible_agents(access: QueueAccess, viewer: str) -> list[dict[str, Any]]:
     """Return the agents panel's rows (board.queues.agent_list, which shows a user limited
-    to queues only the tasks of its queues among what each agent holds): those holding
-    tasks first, then the most recently seen, up to AGENTS_LIMIT."""
-    agents = agent_list(access)
+    to queues only itself): those holding tasks first, then the most recently seen, up to
+    AGENTS_LIMIT."""
+    agents = agent_list(access, viewer)
     agents.sort(key=lambda agent: agent["name"])
     agents.sort(key=lambda agent: agent["last_seen_at"] or _NEVER, reverse=True)
     agents.sort(key=lambda agent: not agent["holding"])
@@ -213,7 +213,7 @@ def home(request: HttpRequest) -> HttpResponse:
         cards = [task for shown in columns.values() for task in shown]
         dependencies = dependencies_of(cards, access)
         queue_rows = queue_list(access)
-        agents = visible_agents(access)
+        agents = visible_agents(access, request.user.get_username())
     if queue and queue not in queues:
         queues.append(queue)
     counts = {status.value: counts.get(status.value, 0) for status in TaskStatus}

@@ -408,3 +408,20 @@ def test_agents_lists_who_holds_what_and_how_their_leases_ended(
 
 def test_task_fields_include_the_additions(agent_api: APIClient) -> None:
     assert set(create(agent_api)) == TASK_FIELDS
+
+
+def test_a_limited_agent_sees_only_itself_among_the_agents(
+    agent_api: APIClient, api: Callable[[Any], APIClient]
+) -> None:
+    create(agent_api, queue="secret")
+    claim(agent_api)
+    limited = UserFactory(username="agent-limited")
+    limit_queues(limited, ["mine"])
+    client = api(limited)
+    assert get(client, "agents/").json() == []
+    create(agent_api, queue="mine")
+    [mine] = claim(client)
+
+    agents = get(client, "agents/").json()
+
+    assert [(a["name"], a["holding"]) for a in agents] == [("agent-limited", [mine["id"]])]

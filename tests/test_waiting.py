@@ -291,3 +291,32 @@ def test_a_paused_queue_holds_waiting_claims_and_its_resume_wakes_them(
     claimed = sorted(t["id"] for response, _ in answers for t in response.json()["tasks"])
     assert claimed == sorted(task.id for task in tasks)
     assert all(answered_at - resumed_at < 1.5 for _, answered_at in answers)
+
+
+def test_an_expired_lease_in_a_paused_queue_does_not_make_waiting_claims_spin(
+    server: LiveServer,
+    waiter_headers: dict[str, str],
+    agent: Any,
+    staff: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The expired lease stays expired while its queue is paused (claims skip the queue):
+    # a waiting claim must not take it for work about to become claimable and retry at once.
+    task = transitions.create(actor=agent, title="held", queue="work")
+    transitions.claim(actor=agent, queues=["work"], lease_seconds=1)
+    transitions.pause_queue(queue="work", actor=staff)
+    time.sleep(1.2)
+    attempts = []
+    real_claim = transitions.claim
+
+    def counted(**kwargs: Any) -> Any:
+        attempts.append(time.monotonic())
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(transitions, "claim", counted)
+
+    response, _ = BackgroundClaim(server, waiter_headers, wait=2, queues=["work"]).result()
+
+    assert response.json() == {"tasks": []}
+    assert len(attempts) <= 3, f"{len(attempts)} claim attempts in 2 s"
+    assert Task.objects.get(pk=task.pk).status == TaskStatus.IN_PROGRESS

@@ -470,3 +470,64 @@ def test_a_paused_queue_hands_out_nothing_and_leases_held_run_on(agent: Any, sta
             ("reports", True, staff.username, "deploying"),
             ("reports", False, staff.username, ""),
         ]
+
+
+def test_an_expired_lease_on_a_task_whose_dependency_was_reopened_goes_back_blocked(
+    agent: Any, other_agent: Any, staff: Any
+) -> None:
+    first = transitions.create(actor=agent, title="first")
+    then = transitions.create(actor=agent, title="then", depends_on=[first.pk])
+    claim = claim_one(agent)
+    assert claim is not None
+    transitions.complete(task_id=first.pk, actor=agent, lease_token=claim.lease_token)
+    held = claim_one(agent, lease_seconds=1)
+    assert held is not None and held.task.pk == then.pk
+    transitions.requeue(task_id=first.pk, actor=staff, note="wrong, redo")
+    time.sleep(1.1)
+
+    # The claim records the expiry and hands out the reopened dependency, not its dependent.
+    claims = transitions.claim(actor=other_agent, limit=5)
+
+    assert [c.task.pk for c in claims] == [first.pk]
+    then.refresh_from_db()
+    assert then.status == TaskStatus.PENDING and then.blocked
+    assert TaskEvent.objects.filter(task_id=then.pk, type="expired").count() == 1
+
+
+def test_dependencies_completing_together_with_shared_dependents_never_deadlock(
+    agent: Any,
+) -> None:
+    # Each completes' unblock locks the shared dependents in id order.
+    for _ in range(10):
+        roots = [
+            transitions.create(actor=agent, title=f"root {n}", queue="roots") for n in range(4)
+        ]
+        for n in range(20):
+            transitions.create(
+                actor=agent, title=f"join {n}", queue="joins", depends_on=[r.pk for r in roots]
+            )
+        claims = transitions.claim(actor=agent, queues=["roots"], limit=4)
+        assert len(claims) == 4
+
+        def work(index: int, claims: list[transitions.Claim] = claims) -> Task:
+            claim = claims[index]
+            return transitions.complete(
+                task_id=claim.task.pk, actor=agent, lease_token=claim.lease_token
+            )
+
+        in_threads(4, work)
+    assert not Task.objects.blocked().exists()
+    assert TaskEvent.objects.filter(type="unblocked").count() == 200
+
+
+def test_the_holder_hears_of_its_deadline_after_another_claim_recorded_the_expiry(
+    agent: Any, other_agent: Any
+) -> None:
+    task = transitions.create(actor=agent, title="spinner", max_attempt_seconds=1)
+    claim = claim_one(agent, lease_seconds=60)
+    assert claim is not None
+    time.sleep(1.1)
+    assert claim_one(other_agent) is not None
+
+    with pytest.raises(LeaseLost, match="attempt deadline passed"):
+        transitions.complete(task_id=task.pk, actor=agent, lease_token=claim.lease_token)

@@ -551,5 +551,5 @@ class AgentViewSet(BoardViewSet):
         responses={200: s.AgentSerializer(many=True)},
     )
     def list(self, request: Request) -> Response:
-        agents = glance.agent_list(self.access)
+        agents = glance.agent_list(self.access, request.user.get_username())
         return Response(s.render_many(s.AgentSerializer, agents))

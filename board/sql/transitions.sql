@@ -93,6 +93,7 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- beyond it) is recorded with reason "attempt_deadline", any other with "lease_expired".
 WITH expired AS (
     SELECT id, priority, created_at, failure_count, max_failures, leased_by, leased_until,
+           open_dependencies,
            CASE WHEN max_attempt_seconds IS NOT NULL
                      AND leased_until >= attempt_started_at
                                          + make_interval(secs => max_attempt_seconds)
@@ -121,14 +122,17 @@ WITH expired AS (
 ), candidates AS (
     SELECT id, priority, created_at, true AS was_expired,
            failure_count + 1 >= max_failures AS escalates,
-           leased_by AS previous_holder, leased_until AS previous_until, reason
+           leased_by AS previous_holder, leased_until AS previous_until, reason,
+           -- A dependency was requeued since this task was claimed: its expiry sends it
+           -- back to pending, blocked, not to another holder.
+           open_dependencies > 0 AS blocked
     FROM expired
     UNION ALL
-    SELECT id, priority, created_at, false, false, NULL, NULL, NULL
+    SELECT id, priority, created_at, false, false, NULL, NULL, NULL, false
     FROM pending
 ), chosen AS (
     SELECT id FROM candidates
-    WHERE NOT escalates
+    WHERE NOT escalates AND NOT blocked
     ORDER BY priority DESC, created_at, id
     LIMIT %(limit)s
 ), updated AS (
@@ -411,10 +415,18 @@ SELECT * FROM task;
 -- that has none left. A statement of its own in the same transaction, after the one that
 -- made the task done: its snapshot sees the edges of a create that committed while that
 -- statement waited for its lock, which that statement's snapshot does not.
-WITH dependents AS (
+-- The dependents are locked in id order first: two dependencies completing at once that
+-- share dependents would otherwise lock them in the join's order, which may differ
+-- (a deadlock).
+WITH locked AS (
+    SELECT t.id FROM tasks t JOIN task_dependencies d ON d.task_id = t.id
+    WHERE d.depends_on_id = %(task_id)s
+    ORDER BY t.id
+    FOR NO KEY UPDATE OF t
+), dependents AS (
     UPDATE tasks t SET open_dependencies = t.open_dependencies - 1, updated_at = now()
-    FROM task_dependencies d
-    WHERE d.depends_on_id = %(task_id)s AND t.id = d.task_id
+    FROM locked l
+    WHERE t.id = l.id
     RETURNING t.id, t.status, t.open_dependencies
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
@@ -427,10 +439,17 @@ WITH dependents AS (
 SELECT id FROM dependents WHERE open_dependencies = 0 AND status = 'pending';
 
 -- name: reblock_dependents
--- A done task was requeued: it is open again for every task that depends on it.
+-- A done task was requeued: it is open again for every task that depends on it (locked
+-- in id order, as in unblock_dependents).
+WITH locked AS (
+    SELECT t.id FROM tasks t JOIN task_dependencies d ON d.task_id = t.id
+    WHERE d.depends_on_id = %(task_id)s
+    ORDER BY t.id
+    FOR NO KEY UPDATE OF t
+)
 UPDATE tasks t SET open_dependencies = t.open_dependencies + 1, updated_at = now()
-FROM task_dependencies d
-WHERE d.depends_on_id = %(task_id)s AND t.id = d.task_id
+FROM locked l
+WHERE t.id = l.id
 RETURNING t.id;
 
 -- name: comment
@@ -463,10 +482,13 @@ SELECT state.*, pg_notify('task_queues', state.name) IS NULL AS notified FROM st
 
 -- name: task_status
 -- Read a task's current status after a guard refused, to tell 404 from 409, and whether
--- its attempt deadline has passed (the detail of the 409 says so).
+-- its attempt deadline has passed (the detail of the 409 says so): the current attempt's,
+-- or the caller's own attempt whose expiry a later claim recorded.
 SELECT status,
-       status = 'in_progress'
+       (status = 'in_progress'
            AND max_attempt_seconds IS NOT NULL
-           AND attempt_started_at + make_interval(secs => max_attempt_seconds) <= now()
+           AND attempt_started_at + make_interval(secs => max_attempt_seconds) <= now())
+       OR (last_error = 'attempt deadline passed (held by ' || %(actor)s || ')'
+           AND (status <> 'in_progress' OR leased_by <> %(actor)s))
            AS deadline_passed
 FROM tasks WHERE id = %(task_id)s;
