@@ -121,19 +121,24 @@ def _lease_lost(task_id: int, actor: str) -> LeaseLost:
     )
 
 
+def _lease_rows(
+    name: str, task_id: int, actor: Actor, lease_token: str, **params: Any
+) -> list[dict[str, Any]]:
+    """Run a holder's statement; no rows when the guard refused it."""
+    try:
+        token = uuid.UUID(str(lease_token))
+    except ValueError:
+        return []  # a malformed token matches no lease
+    return _rows(
+        name, {"task_id": task_id, "actor": _username(actor), "lease_token": token, **params}
+    )
+
+
 def _holder_transition(
     name: str, *, task_id: int, actor: Actor, lease_token: str, **params: Any
 ) -> Task:
     """Run a transition that only the live lease holder may make, or raise LeaseLost."""
-    try:
-        token = uuid.UUID(str(lease_token))
-    except ValueError:
-        token = None  # a malformed token matches no lease; the guard below refuses it
-    rows = (
-        _rows(name, {"task_id": task_id, "actor": _username(actor), "lease_token": token, **params})
-        if token is not None
-        else []
-    )
+    rows = _lease_rows(name, task_id, actor, lease_token, **params)
     if not rows:
         raise _lease_lost(task_id, _username(actor))
     return _task(rows[0])
@@ -225,11 +230,11 @@ def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> 
         "idempotency_key": idempotency_key,
         "idempotency_fingerprint": digest,
     }
-    with transaction.atomic():
-        rows = _rows("create", params)
-        if rows:
-            return _task(rows[0]), True
-        rows = _rows("created_with_key", {"actor": username, "idempotency_key": idempotency_key})
+    rows = _rows("create", params)
+    if rows:
+        return _task(rows[0]), True
+    # The key's first create has committed (the insert waited for it): read what it made.
+    rows = _rows("created_with_key", {"actor": username, "idempotency_key": idempotency_key})
     task = _task(rows[0])
     if task.idempotency_fingerprint != digest:
         raise IdempotencyConflict(str(idempotency_key), task.pk)
@@ -293,24 +298,25 @@ def heartbeat(
 
 
 def complete(*, task_id: int, actor: Actor, lease_token: str, result: Any = None) -> Task:
-    """Mark the holder's task done with ``result``, and unblock what waited for it."""
+    """Mark the holder's task done with ``result``, and unblock what waited for it.
+
+    The usual task, which nothing depends on, is completed by one statement in a
+    transaction of its own (no BEGIN and COMMIT round trips). That statement refuses a task
+    with ``has_dependents``, read in the row's latest version (a create that adds an edge
+    locks the row and sets it first); such a task is completed in a transaction together
+    with unblock_dependents, whose own snapshot sees the new edges.
+    """
+    params = {"result": _json(result)}
+    rows = _lease_rows("complete", task_id, actor, lease_token, alone=True, **params)
+    if rows:
+        return _task(rows[0])
     with transaction.atomic():
         task = _holder_transition(
-            "complete", task_id=task_id, actor=actor, lease_token=lease_token, result=_json(result)
+            "complete", task_id=task_id, actor=actor, lease_token=lease_token, alone=False, **params
         )
-        _unblock_dependents(task)
+        if task.has_dependents:
+            _rows("unblock_dependents", {"task_id": task.pk})
     return task
-
-
-def _unblock_dependents(task: Task) -> None:
-    """After ``task`` became done: unblock the tasks that waited for it, if any ever did.
-
-    ``has_dependents`` is read from the row the transition wrote, which is the version
-    after any create that added an edge and committed first (the create locks the row), so
-    a task that nothing depends on costs no second statement.
-    """
-    if task.has_dependents:
-        _rows("unblock_dependents", {"task_id": task.pk})
 
 
 def fail(
@@ -367,7 +373,8 @@ def resolve(*, task_id: int, actor: Actor, note: str | None = None, result: Any 
             note=note,
             result=_json(result),
         )
-        _unblock_dependents(task)
+        if task.has_dependents:
+            _rows("unblock_dependents", {"task_id": task.pk})
     return task
 
 

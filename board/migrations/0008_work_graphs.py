@@ -68,18 +68,16 @@ CREATE FUNCTION queue_counters_add(
     p_escalated bigint, p_done bigint, p_cancelled bigint
 ) RETURNS void
 LANGUAGE plpgsql AS $$
-DECLARE
-    s integer;
 BEGIN
     LOOP
-        SELECT shard INTO s FROM queue_counters
-        WHERE queue = p_queue ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED;
+        -- The first shard row of the queue that no other transaction holds.
+        UPDATE queue_counters SET
+            pending = pending + p_pending, blocked = blocked + p_blocked,
+            in_progress = in_progress + p_in_progress, escalated = escalated + p_escalated,
+            done = done + p_done, cancelled = cancelled + p_cancelled
+        WHERE id = (SELECT id FROM queue_counters
+                    WHERE queue = p_queue ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED);
         IF FOUND THEN
-            UPDATE queue_counters SET
-                pending = pending + p_pending, blocked = blocked + p_blocked,
-                in_progress = in_progress + p_in_progress, escalated = escalated + p_escalated,
-                done = done + p_done, cancelled = cancelled + p_cancelled
-            WHERE queue = p_queue AND shard = s;
             RETURN;
         END IF;
         -- Every shard is held by another transaction: add one. Its number is random, not
@@ -184,9 +182,13 @@ DELETE FROM queue_counters;
 """
 
 AGENT_ACTIVITY = """
--- Each agent's last sighting and the fate of its leases, per hour, kept from the events a
--- statement inserts, sharded like queue_counters so that one agent's parallel workers
--- never wait for each other. An agent appears once it has claimed a task.
+-- How each agent's leases ended, per hour, and when it last ended one: kept from the events
+-- a statement inserts, sharded like queue_counters so that one agent's parallel workers
+-- never wait for each other. Only the events that end a lease (or record its expiry)
+-- count: the trigger's WHEN clause passes over claims, heartbeats and the rest without
+-- calling the function, so the usual claim and heartbeat pay nothing here. An agent that
+-- holds tasks was seen when it last claimed or heartbeat one: tasks.updated_at, which
+-- board.queues reads beside this table.
 ALTER TABLE agent_activity SET (fillfactor = 50);
 
 CREATE FUNCTION agent_activity_add(
@@ -194,18 +196,18 @@ CREATE FUNCTION agent_activity_add(
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    s integer;
     h timestamptz := date_trunc('hour', now());
 BEGIN
     LOOP
-        SELECT shard INTO s FROM agent_activity
-        WHERE agent = p_agent AND hour = h ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED;
+        -- The first shard row of this hour that no other transaction holds.
+        UPDATE agent_activity SET
+            last_seen_at = GREATEST(last_seen_at, p_seen),
+            completed = completed + p_completed, failed = failed + p_failed,
+            expired = expired + p_expired
+        WHERE id = (SELECT id FROM agent_activity
+                    WHERE agent = p_agent AND hour = h
+                    ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED);
         IF FOUND THEN
-            UPDATE agent_activity SET
-                last_seen_at = GREATEST(last_seen_at, p_seen),
-                completed = completed + p_completed, failed = failed + p_failed,
-                expired = expired + p_expired
-            WHERE agent = p_agent AND hour = h AND shard = s;
             RETURN;
         END IF;
         -- A random shard number, as in queue_counters_add.
@@ -223,32 +225,28 @@ $$;
 CREATE FUNCTION task_events_count_agents() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM agent_activity_add(
-        agent,
-        max(created_at) FILTER (WHERE type <> 'expired'),
-        count(*) FILTER (WHERE type = 'completed'),
-        count(*) FILTER (WHERE type = 'failed'),
-        count(*) FILTER (WHERE type = 'expired'))
-    FROM (
-        -- What a lease holder does, and the expiry of its lease (recorded by the system).
-        SELECT CASE WHEN type = 'expired' THEN payload->>'previous_holder' ELSE actor END
-                   AS agent,
-               type, created_at
-        FROM inserted_events
-        WHERE (type = 'expired')
-           OR (type IN ('claimed', 'heartbeat', 'completed', 'failed', 'released',
-                        'escalated')
-               AND actor <> 'system')
-    ) e
-    WHERE agent IS NOT NULL
-    GROUP BY agent;
+    IF NEW.type = 'expired' THEN
+        -- Recorded by the system: the agent is the holder whose lease ran out.
+        IF NEW.payload->>'previous_holder' IS NOT NULL THEN
+            PERFORM agent_activity_add(NEW.payload->>'previous_holder', NULL, 0, 0, 1);
+        END IF;
+    ELSE
+        PERFORM agent_activity_add(
+            NEW.actor, NEW.created_at,
+            (NEW.type = 'completed')::integer, (NEW.type = 'failed')::integer, 0);
+    END IF;
     RETURN NULL;
 END;
 $$;
 
+-- What a lease holder does to end its lease, and the expiry of a lease.
 CREATE TRIGGER task_events_count_agents
-    AFTER INSERT ON task_events REFERENCING NEW TABLE AS inserted_events
-    FOR EACH STATEMENT EXECUTE FUNCTION task_events_count_agents();
+    AFTER INSERT ON task_events
+    FOR EACH ROW
+    WHEN (NEW.type = 'expired'
+          OR (NEW.type IN ('completed', 'failed', 'released', 'escalated')
+              AND NEW.actor <> 'system'))
+    EXECUTE FUNCTION task_events_count_agents();
 
 -- The agents already there: their last sighting, and the last day by the hour.
 INSERT INTO agent_activity (agent, hour, shard, last_seen_at, completed, failed, expired)

@@ -35,9 +35,10 @@ ORDER BY n.name;
 
 -- name: agent_list
 -- Every user that has claimed a task: the tasks it holds now (of the queues the reader
--- may see), when it was last seen (its last claim, heartbeat, complete, fail, release or
--- escalate), and how its leases ended in the last 24 hours, counted by the hour (the
--- current hour and the 23 before it).
+-- may see), when it was last seen (its last claim or heartbeat of a task it holds, which
+-- is that task's updated_at, or its last complete, fail, release or escalate), and how its
+-- leases ended in the last 24 hours, counted by the hour (the current hour and the 23
+-- before it).
 SELECT u.username AS name,
        ARRAY(
            SELECT t.id FROM tasks t
@@ -45,9 +46,13 @@ SELECT u.username AS name,
              AND (%(all_queues)s OR t.queue = ANY(%(queues)s))
            ORDER BY t.id
        ) AS holding,
-       (SELECT a.last_seen_at FROM agent_activity a
-        WHERE a.agent = u.username AND a.last_seen_at IS NOT NULL
-        ORDER BY a.hour DESC, a.last_seen_at DESC LIMIT 1) AS last_seen_at,
+       GREATEST(
+           (SELECT max(t.updated_at) FROM tasks t
+            WHERE t.leased_by = u.username AND t.status = 'in_progress'),
+           (SELECT a.last_seen_at FROM agent_activity a
+            WHERE a.agent = u.username AND a.last_seen_at IS NOT NULL
+            ORDER BY a.hour DESC, a.last_seen_at DESC LIMIT 1)
+       ) AS last_seen_at,
        COALESCE(day.completed, 0) AS completed_24h,
        COALESCE(day.failed, 0) AS failed_24h,
        COALESCE(day.expired, 0) AS expired_24h
@@ -58,4 +63,5 @@ CROSS JOIN LATERAL (
     WHERE a.agent = u.username AND a.hour > now() - interval '24 hours'
 ) day
 WHERE EXISTS (SELECT 1 FROM agent_activity a WHERE a.agent = u.username)
+   OR EXISTS (SELECT 1 FROM tasks t WHERE t.leased_by = u.username AND t.status = 'in_progress')
 ORDER BY u.username;

@@ -236,6 +236,9 @@ SELECT * FROM task;
 
 -- name: complete
 -- Finish the holder's task with an optional result.
+-- %(alone)s is true for the usual attempt, a transaction of its own: it refuses a task that
+-- something depends on (has_dependents, read in the row's latest version), which
+-- board.transitions then completes in a transaction with unblock_dependents.
 WITH task AS (
     UPDATE tasks SET
         status = 'done', result = %(result)s,
@@ -247,6 +250,7 @@ WITH task AS (
       AND leased_by = %(actor)s
       AND lease_token = %(lease_token)s
       AND leased_until > now()
+      AND NOT (has_dependents AND %(alone)s)
     RETURNING *
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)

@@ -71,6 +71,8 @@ def raw_round(
                         "actor": actor,
                         "lease_token": row["lease_token"],
                         "result": None,
+                        # As transitions.complete tries first: a task nothing depends on.
+                        "alone": True,
                     },
                 ).fetchall()
                 counts[index] += 1

@@ -87,7 +87,8 @@ def cycles(database: Database, agents: list[str], total: int, progress: Any) -> 
                         [{**lease, "lease_seconds": None, "progress": None} for lease in leases],
                     )
                     cursor.executemany(
-                        QUERIES["complete"], [{**lease, "result": None} for lease in leases]
+                        QUERIES["complete"],
+                        [{**lease, "result": None, "alone": True} for lease in leases],
                     )
 
     run_threads(len(agents), worker)
