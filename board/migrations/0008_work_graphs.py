@@ -185,10 +185,9 @@ AGENT_ACTIVITY = """
 -- How each agent's leases ended, per hour, and when it last ended one: kept from the events
 -- a statement inserts, sharded like queue_counters so that one agent's parallel workers
 -- never wait for each other. Only the events that end a lease (or record its expiry)
--- count: the trigger's WHEN clause passes over claims, heartbeats and the rest without
--- calling the function, so the usual claim and heartbeat pay nothing here. An agent that
--- holds tasks was seen when it last claimed or heartbeat one: tasks.updated_at, which
--- board.queues reads beside this table.
+-- count, so claims and heartbeats write nothing here. An agent that holds tasks was seen
+-- when it last claimed or heartbeat one: tasks.updated_at, which board.queues reads
+-- beside this table.
 ALTER TABLE agent_activity SET (fillfactor = 50);
 
 CREATE FUNCTION agent_activity_add(
@@ -225,28 +224,34 @@ $$;
 CREATE FUNCTION task_events_count_agents() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.type = 'expired' THEN
-        -- Recorded by the system: the agent is the holder whose lease ran out.
-        IF NEW.payload->>'previous_holder' IS NOT NULL THEN
-            PERFORM agent_activity_add(NEW.payload->>'previous_holder', NULL, 0, 0, 1);
-        END IF;
-    ELSE
-        PERFORM agent_activity_add(
-            NEW.actor, NEW.created_at,
-            (NEW.type = 'completed')::integer, (NEW.type = 'failed')::integer, 0);
-    END IF;
+    PERFORM agent_activity_add(
+        agent,
+        max(created_at) FILTER (WHERE type <> 'expired'),
+        count(*) FILTER (WHERE type = 'completed'),
+        count(*) FILTER (WHERE type = 'failed'),
+        count(*) FILTER (WHERE type = 'expired'))
+    FROM (
+        -- What a lease holder does to end its lease, and the expiry of a lease (recorded
+        -- by the system: the agent is the holder whose lease ran out).
+        SELECT CASE WHEN type = 'expired' THEN payload->>'previous_holder' ELSE actor END
+                   AS agent,
+               type, created_at
+        FROM inserted_events
+        WHERE type = 'expired'
+           OR (type IN ('completed', 'failed', 'released', 'escalated') AND actor <> 'system')
+    ) e
+    WHERE agent IS NOT NULL
+    GROUP BY agent;
     RETURN NULL;
 END;
 $$;
 
--- What a lease holder does to end its lease, and the expiry of a lease.
+-- One call per statement, however many events it inserts (a bulk load takes one bump per
+-- agent, where a row trigger took one per row, each on the same row version chain). A
+-- statement of claims or heartbeats finds nothing to count and bumps nothing.
 CREATE TRIGGER task_events_count_agents
-    AFTER INSERT ON task_events
-    FOR EACH ROW
-    WHEN (NEW.type = 'expired'
-          OR (NEW.type IN ('completed', 'failed', 'released', 'escalated')
-              AND NEW.actor <> 'system'))
-    EXECUTE FUNCTION task_events_count_agents();
+    AFTER INSERT ON task_events REFERENCING NEW TABLE AS inserted_events
+    FOR EACH STATEMENT EXECUTE FUNCTION task_events_count_agents();
 
 -- The agents already there: their last sighting, and the last day by the hour.
 INSERT INTO agent_activity (agent, hour, shard, last_seen_at, completed, failed, expired)
