@@ -364,8 +364,10 @@ def test_queue_counts_equal_a_count_after_thousands_of_concurrent_random_transit
             try:
                 if roll < 0.25 or not created:
                     depends_on = rng.sample(created, k=min(len(created), rng.randint(0, 1)))
-                    task = transitions.create(
+                    # Some creates repeat a key: the repeat creates nothing.
+                    task, _ = transitions.create_once(
                         actor=agent,
+                        idempotency_key=f"k{rng.randrange(40)}" if rng.random() < 0.3 else None,
                         title="random",
                         queue=rng.choice(queues),
                         depends_on=depends_on,
@@ -374,8 +376,13 @@ def test_queue_counts_equal_a_count_after_thousands_of_concurrent_random_transit
                     created.append(task.pk)
                     name = "create"
                 elif roll < 0.5:
+                    # Some leases are short enough to expire: later claims record the
+                    # expiries, count the strikes and escalate some tasks.
                     held += transitions.claim(
-                        actor=agent, queues=rng.sample(queues, 2), limit=2, lease_seconds=30
+                        actor=agent,
+                        queues=rng.sample(queues, 2),
+                        limit=2,
+                        lease_seconds=rng.choice([1, 30, 30]),
                     )
                     name = "claim"
                 elif roll < 0.85 and held:
@@ -392,14 +399,19 @@ def test_queue_counts_equal_a_count_after_thousands_of_concurrent_random_transit
                     kind = rng.choice(["cancel", "requeue", "resolve"])
                     getattr(transitions, kind)(task_id=task_id, actor=staff)
                     name = kind
-            except (InvalidTransition, LeaseLost):
+            except (InvalidTransition, LeaseLost, IdempotencyConflict):
                 name = "refused"
             with lock:
                 transitions_done[name] += 1
+        # The 1 s leases still held run out; these claims record their expiries (strikes,
+        # some escalations) while the other threads do the same.
+        time.sleep(1.1)
+        transitions.claim(actor=agent, limit=10, lease_seconds=30)
 
     in_threads(8, work)
 
     assert sum(transitions_done.values()) == 2400
+    assert TaskEvent.objects.filter(type="expired").count() > 10
     assert transitions_done["create"] > 300 and transitions_done["claim"] > 300
     listed = {queue["name"]: queue["counts"] for queue in glance.queue_list()}
     assert listed == counts_by_scan()
