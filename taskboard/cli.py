@@ -1,7 +1,8 @@
 """The ``taskboard`` command.
 
-``taskboard work``, ``taskboard submit`` and ``taskboard tasks`` are the agent side: they
-talk to a running server over HTTP (taskboard.console) and never import Django. Anything
+``taskboard work``, ``taskboard submit``, ``taskboard tasks`` and ``taskboard mcp`` are the
+agent side: they talk to a running server over HTTP (taskboard.console,
+taskboard.mcp_server) and never import Django. Anything
 else is one of Django's management commands, run from any directory: ``taskboard serve``
 is ``python manage.py serve``, ``taskboard create_agent NAME`` is ``python manage.py
 create_agent NAME``, and so on.
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["help"] and args[1:2] and args[1] in CLIENT_COMMANDS:
         args = [args[1], "--help"]
+    if args[:1] == ["mcp"]:
+        from taskboard import mcp_server
+
+        sys.exit(mcp_server.main(args[1:]))
     if args[:1] and args[0] in CLIENT_COMMANDS:
         from taskboard import console
 

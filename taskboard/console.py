@@ -25,6 +25,7 @@ Agent commands (over HTTP, as the agent of TASKBOARD_TOKEN, on TASKBOARD_URL):
     work        claim tasks and run a command for each: taskboard work --queue Q -- CMD [ARGS]
     submit      create tasks: taskboard submit --queue Q --payload '{"a": 1}' TITLE
     tasks       list tasks: taskboard tasks --status pending [--json]
+    mcp         serve the board's tools to an LLM agent's MCP host over stdio
   'taskboard COMMAND --help' describes each.
 """
 

@@ -1,0 +1,334 @@
+"""The board as MCP tools for LLM agents: ``taskboard mcp`` (stdio).
+
+(Named mcp_server, not mcp, so that it never hides the SDK's own ``mcp`` package.)
+
+An MCP server built with the official SDK (``mcp.server.mcpserver.MCPServer``) whose tools
+are the contract's (CONTRACT.md, "MCP"), each one call of the Python client
+(taskboard.client) to the board's REST API, as the agent of ``TASKBOARD_TOKEN``. It runs on
+the agent's machine and needs nothing of the server side (no Django).
+
+Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
+here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
+background every third of the lease until the model completes, fails, releases or
+escalates the task, or the lease is lost (the attempt deadline, a human's action). The
+model never sees a token. When the session ends (the stdio process exits) the heartbeats
+stop with it and the lease runs out as usual, so no task stays held by a session that is
+gone. A refusal is a tool error that starts with the API's error code (``lease_lost: ...``)
+and, for a lost lease, tells the model to stop working on the task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from taskboard.client import (
+    ClaimedTask,
+    Client,
+    Event,
+    Lease,
+    LeaseLost,
+    Task,
+    TaskboardError,
+)
+
+T = TypeVar("T")
+
+INSTRUCTIONS = """\
+This server is a shared task board: humans and agents post tasks, and you claim and do them.
+The work loop:
+1. claim_task (optionally with wait, in seconds, to wait for work). You get one task, or
+   nothing. If the task has "progress", an earlier attempt got that far: resume from there.
+2. Do the work. Call report_progress now and then with a small JSON value saying how far you
+   are, so that if you stop, the next agent resumes instead of starting over. You do not
+   need to keep the task alive: this server does that while this session lasts.
+3. End every task you claimed with exactly one of: complete_task (done, with a result),
+   fail_task (it did not work; it will be retried), release_task (give it back untouched)
+   or escalate_task (a human must decide).
+If a tool answers "lease_lost", the task is no longer yours: stop working on it at once.
+Use comment_task to leave notes on a task, create_task to add work (parent_id for subtasks,
+depends_on for tasks that must be done first), and get_task or list_tasks to look around.
+"""
+
+LOST = (
+    "lease_lost: you no longer hold task {task_id} ({detail}). Stop working on it: anything "
+    "you send about it will be refused."
+)
+
+
+def _public(task: Task) -> dict[str, Any]:
+    """The task as the API rendered it, without its lease token."""
+    data = dict(task.raw)
+    data.pop("lease_token", None)
+    return data
+
+
+def _event(event: Event) -> dict[str, Any]:
+    """An event as the API renders it."""
+    return {
+        "id": event.id,
+        "task_id": event.task_id,
+        "type": event.type,
+        "status": event.status,
+        "actor": event.actor,
+        "payload": event.payload,
+        "created_at": event.created_at.isoformat(),
+    }
+
+
+def _refusal(exc: TaskboardError) -> ToolError:
+    """The API's refusal as a tool error the model can read: code, then detail."""
+    if isinstance(exc, LeaseLost):
+        return ToolError(f"{exc.code}: {exc.detail} Stop working on this task.")
+    message = f"{exc.code}: {exc.detail}"
+    for name, messages in exc.fields.items():
+        message += f"\n  {name}: {' '.join(messages)}"
+    return ToolError(message)
+
+
+class Session:
+    """The leases one MCP session holds, each kept alive by its own heartbeat thread."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, task: ClaimedTask) -> None:
+        lease = self.client.lease(task)
+        with self._lock:
+            self.leases[task.id] = lease
+
+    def lease(self, task_id: int) -> Lease:
+        """The live lease on ``task_id``, or a tool error that says it is not held."""
+        with self._lock:
+            lease = self.leases.get(task_id)
+        if lease is None:
+            raise ToolError(
+                LOST.format(task_id=task_id, detail="this session did not claim it, or ended it")
+            )
+        if lease.lost:
+            self.forget(task_id)
+            error = lease.error
+            detail = error.detail if error is not None else "its attempt deadline passed"
+            raise ToolError(LOST.format(task_id=task_id, detail=detail))
+        return lease
+
+    def forget(self, task_id: int) -> None:
+        with self._lock:
+            lease = self.leases.pop(task_id, None)
+        if lease is not None:
+            lease.stop()
+
+    def end(self, task_id: int, action: Callable[[Lease], Task]) -> dict[str, Any]:
+        """Finish the task with ``action`` (complete, fail, ...), forgetting its lease."""
+        lease = self.lease(task_id)
+        try:
+            return _public(action(lease))
+        except LeaseLost as exc:
+            raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
+        finally:
+            if lease.finished:
+                self.forget(task_id)
+
+    def close(self) -> None:
+        """Stop every heartbeat (the session is over); the leases run out as usual."""
+        with self._lock:
+            leases, self.leases = list(self.leases.values()), {}
+        for lease in leases:
+            lease.stop()
+
+
+async def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking client call in a worker thread, turning refusals into tool errors."""
+
+    def run() -> T:
+        try:
+            return function(*args, **kwargs)
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
+
+    return await anyio.to_thread.run_sync(run)
+
+
+def build_server(session: Session) -> MCPServer:
+    """Return the MCP server whose tools act on the board through ``session``."""
+    server: MCPServer = MCPServer(
+        "taskboard", instructions=INSTRUCTIONS, version="1", title="Taskboard"
+    )
+    client = session.client
+
+    @server.tool()
+    async def create_task(
+        title: str,
+        description: str | None = None,
+        payload: dict[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends_on: list[int] | None = None,
+        parent_id: int | None = None,
+        max_failures: int | None = None,
+        run_after: str | None = None,
+        max_attempt_seconds: int | None = None,
+    ) -> dict[str, Any]:
+        """Create a task on the board and return it.
+
+        Use parent_id to split the task you hold into subtasks, and depends_on (ids of
+        existing tasks) for work that may start only once those are done. run_after is an
+        ISO 8601 time with a UTC offset. Creating is safe to retry: the same request twice
+        makes one task.
+        """
+        task = await _call(
+            client.create,
+            title,
+            description=description,
+            payload=payload,
+            queue=queue,
+            priority=priority,
+            depends_on=depends_on,
+            parent_id=parent_id,
+            max_failures=max_failures,
+            run_after=run_after,
+            max_attempt_seconds=max_attempt_seconds,
+        )
+        return _public(task)
+
+    @server.tool()
+    async def claim_task(
+        queues: list[str] | None = None,
+        lease_seconds: int | None = None,
+        wait: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Claim the next task to work on, or nothing (null) when there is none.
+
+        wait (0..60 seconds) waits for work to come. The task's "progress" is how far an
+        earlier attempt got: resume from there. While this session lasts the lease is kept
+        alive for you, however long you think. You must end the task with complete_task,
+        fail_task, release_task or escalate_task.
+        """
+        claimed = await _call(
+            client.claim, queues=queues, limit=1, lease_seconds=lease_seconds, wait=wait or 0
+        )
+        if not claimed:
+            return None
+        session.hold(claimed[0])
+        return _public(claimed[0])
+
+    @server.tool()
+    async def report_progress(task_id: int, progress: Any) -> dict[str, Any]:
+        """Record how far you are on a task you hold (any small JSON value, such as
+        {"step": 3, "of": 10, "note": "..."}). Report after each meaningful step: if you
+        stop, the next agent gets this progress and resumes from it. Answers the task, or
+        a lease_lost error: then stop working on the task."""
+        lease = session.lease(task_id)
+
+        def beat() -> Task:
+            return lease.heartbeat(progress)
+
+        try:
+            task = await anyio.to_thread.run_sync(beat)
+        except LeaseLost as exc:
+            session.forget(task_id)
+            raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
+        return _public(task)
+
+    @server.tool()
+    async def complete_task(task_id: int, result: Any = None) -> dict[str, Any]:
+        """Finish a task you hold as done, with its result (any JSON value)."""
+        return await anyio.to_thread.run_sync(
+            lambda: session.end(task_id, lambda lease: lease.complete(result))
+        )
+
+    @server.tool()
+    async def fail_task(task_id: int, error: str, retry_after: int | None = None) -> dict[str, Any]:
+        """Give up on a task you hold because it did not work, saying why (error). It counts
+        a strike: the task is retried (after retry_after seconds, if given) and goes to a
+        human after its last strike."""
+        return await anyio.to_thread.run_sync(
+            lambda: session.end(task_id, lambda lease: lease.fail(error, retry_after=retry_after))
+        )
+
+    @server.tool()
+    async def release_task(task_id: int) -> dict[str, Any]:
+        """Give a task you hold back to the board untouched, without a strike (you cannot
+        do it now; someone else may)."""
+        return await anyio.to_thread.run_sync(
+            lambda: session.end(task_id, lambda lease: lease.release())
+        )
+
+    @server.tool()
+    async def escalate_task(task_id: int, reason: str) -> dict[str, Any]:
+        """Hand a task you hold to the humans, with the reason: when it needs a decision or
+        access you do not have. They will requeue, resolve or cancel it."""
+        return await anyio.to_thread.run_sync(
+            lambda: session.end(task_id, lambda lease: lease.escalate(reason))
+        )
+
+    @server.tool()
+    async def comment_task(task_id: int, body: str) -> dict[str, Any]:
+        """Add a comment to a task's history (any task, held or not): notes for the humans
+        and agents who read it. Answers the comment's event."""
+        event = await _call(client.comment, task_id, body)
+        return _event(event)
+
+    @server.tool()
+    async def get_task(task_id: int) -> dict[str, Any]:
+        """Read a task and its history (events, oldest first)."""
+        task = await _call(client.get, task_id)
+        events = await _call(lambda: [_event(e) for e in client.iter_task_events(task_id)])
+        return {"task": _public(task), "events": events}
+
+    @server.tool()
+    async def list_tasks(
+        status: str | None = None,
+        queue: str | None = None,
+        parent: int | None = None,
+        blocked: bool | None = None,
+    ) -> list[dict[str, Any]]:
+        """List tasks, newest first (up to 100): by status (pending, in_progress, done,
+        escalated, cancelled), queue, parent (subtasks of a task) or blocked (waiting for
+        a dependency)."""
+        page = await _call(
+            client.list_tasks, status=status, queue=queue, parent=parent, blocked=blocked
+        )
+        return [_public(task) for task in page.results]
+
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``taskboard mcp``: serve the tools over stdio until the MCP host closes it."""
+    parser = argparse.ArgumentParser(
+        prog="taskboard mcp",
+        description=(
+            "Serve the board's tools to an MCP host (an LLM agent) over stdio, as the agent "
+            "of TASKBOARD_TOKEN on TASKBOARD_URL. The host starts this command; it ends when "
+            "the host closes its stdin, and the leases it held then run out."
+        ),
+    )
+    parser.add_argument("--url", default=os.environ.get("TASKBOARD_URL") or "http://127.0.0.1:8000")
+    parser.add_argument("--token", default=os.environ.get("TASKBOARD_TOKEN"))
+    args = parser.parse_args(argv)
+    if not args.token:
+        parser.error("no API token: pass --token or set TASKBOARD_TOKEN")
+    # stdout is the protocol; stderr is the host's log: one line per HTTP call is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with Client(args.url, args.token) as client:
+        session = Session(client)
+        try:
+            build_server(session).run()
+        finally:
+            session.close()
+    return 0
