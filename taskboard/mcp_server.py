@@ -80,7 +80,8 @@ def _event(event: Event) -> dict[str, Any]:
         "status": event.status,
         "actor": event.actor,
         "payload": event.payload,
-        "created_at": event.created_at.isoformat(),
+        # As the API writes times: UTC with a "Z".
+        "created_at": event.created_at.isoformat().replace("+00:00", "Z"),
     }
 
 

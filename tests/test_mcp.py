@@ -132,7 +132,7 @@ def test_a_model_works_a_task_for_longer_than_its_lease_and_completes_it(
             )
             assert progressed["progress"] == {"step": 2}
             comment = await call(session, "comment_task", task_id=task.pk, body="halfway")
-            assert comment["type"] == "commented"
+            assert comment["type"] == "commented" and comment["created_at"].endswith("Z")
             done = await call(session, "complete_task", task_id=task.pk, result={"ok": True})
             assert done["status"] == "done" and done["result"] == {"ok": True}
 
