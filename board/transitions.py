@@ -105,20 +105,22 @@ def _instance(model: type[M], fields: dict[str, Any], row: dict[str, Any]) -> M:
     return model.from_db(connection.alias, names, values)
 
 
-def _current_status(task_id: int) -> str:
-    rows = _rows("task_status", {"task_id": task_id, "actor": ""})
-    if not rows:
-        raise TaskNotFound(task_id)
-    return str(rows[0]["status"])
-
-
-def _lease_lost(task_id: int, actor: str) -> LeaseLost:
+def _task_status(task_id: int, actor: str = "") -> dict[str, Any]:
+    """Read a task's status after a guard refused (TaskNotFound if there is none), and
+    whether ``actor``'s attempt deadline passed."""
     rows = _rows("task_status", {"task_id": task_id, "actor": actor})
     if not rows:
         raise TaskNotFound(task_id)
-    return LeaseLost(
-        task_id, str(rows[0]["status"]), deadline_passed=bool(rows[0]["deadline_passed"])
-    )
+    return rows[0]
+
+
+def _current_status(task_id: int) -> str:
+    return str(_task_status(task_id)["status"])
+
+
+def _lease_lost(task_id: int, actor: str) -> LeaseLost:
+    row = _task_status(task_id, actor)
+    return LeaseLost(task_id, str(row["status"]), deadline_passed=bool(row["deadline_passed"]))
 
 
 def _lease_rows(
