@@ -11,8 +11,10 @@ own ASGI handler would run every request on a new thread, with a new connection.
   work between claim attempts outside Django, for the same reason;
 - RequestBodyLimit reads every body before the request takes a thread, refusing one over
   1 MiB (413) or slower than TASKBOARD_BODY_TIMEOUT (408), and gives chunked bodies a length;
-- on SIGTERM or SIGINT, open streams and waiting claims end at once (taskboard.server);
-  the lifespan protocol then stops the process's event relay.
+- ``/mcp/`` goes to board.mcp_http, the MCP tools over Streamable HTTP, which call this
+  application in process;
+- on SIGTERM or SIGINT, open streams, waiting claims and MCP sessions end at once
+  (taskboard.server); the lifespan protocol then stops the process's event relay.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ django_application = WSGIMiddleware(
     workers=settings.TASKBOARD_THREADS,
 )
 
-from board import stream, waiting  # noqa: E402  (needs Django set up)
+from board import mcp_http, stream, waiting  # noqa: E402  (needs Django set up)
 from board.asgi_tools import closing  # noqa: E402
 from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
@@ -47,6 +49,8 @@ http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "http" and scope["path"] == stream.PATH:
         await stream.application(scope, receive, send)
+    elif scope["type"] == "http" and scope["path"] in mcp_http.PATHS:
+        await mcp_http.application(scope, receive, send)
     elif scope["type"] == "lifespan":
         await lifespan(receive, send)
     else:
@@ -54,18 +58,36 @@ async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 async def lifespan(receive: Any, send: Any) -> None:
+    mcp: asyncio.Task[None] | None = None
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
-            # Streams and waiting claims end as soon as the server is told to stop: the
-            # lifespan shutdown comes only after uvicorn has waited for them.
+            # Streams, waiting claims and MCP sessions end as soon as the server is told
+            # to stop: the lifespan shutdown comes only after uvicorn has waited for them.
             on_exit_signal(closing().set)
+            started = asyncio.Event()
+            mcp = asyncio.create_task(serve_mcp(started))
+            waiting_start = asyncio.create_task(started.wait())
+            await asyncio.wait({mcp, waiting_start}, return_when=asyncio.FIRST_COMPLETED)
+            waiting_start.cancel()
+            if mcp.done():
+                mcp.result()  # it could not start: raise why
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            closing().set()
+            if mcp is not None:
+                await mcp
             await stop_relays()
             await close_worker_connections()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def serve_mcp(started: asyncio.Event) -> None:
+    """Serve ``/mcp/`` until the server begins to stop; then end its sessions."""
+    async with mcp_http.serving(http_application):
+        started.set()
+        await closing().wait()
 
 
 async def close_worker_connections() -> None:

