@@ -223,18 +223,39 @@ def test_a_committed_event_is_announced_with_its_id(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_each_event_of_a_transition_is_announced_in_order(
+def test_each_statement_is_announced_once_with_its_last_event_id_in_order(
     listener: Any, make_task: Callable[..., Task], agent: Any
 ) -> None:
     task = make_task(max_failures=1)
     (lease,) = transitions.claim(actor=agent)
+    # One statement writes two events: failed, then escalated (the last strike).
     transitions.fail(task_id=task.pk, actor=agent, lease_token=lease.lease_token, error="no")
 
-    payloads = notified(listener, timeout=5, count=4)
+    payloads = notified(listener, timeout=5, count=3)
 
     events = TaskEvent.objects.filter(task=task).order_by("id")
     assert [e.type for e in events] == ["created", "claimed", "failed", "escalated"]
-    assert payloads == [str(e.pk) for e in events]
+    assert payloads == [str(events[0].pk), str(events[1].pk), str(events[3].pk)]
+    assert notified(listener, timeout=0.3) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_of_a_hundred_tasks_sends_one_notification_and_an_empty_claim_none(
+    listener: Any, make_task: Callable[..., Task], agent: Any
+) -> None:
+    for n in range(100):
+        make_task(title=f"t{n}")
+    assert len(notified(listener, timeout=5, count=100)) == 100  # 100 creates
+
+    claimed = transitions.claim(actor=agent, limit=100)
+    assert len(claimed) == 100
+    last = TaskEvent.objects.filter(type="claimed").order_by("-id").first()
+    assert last is not None
+    assert notified(listener, timeout=5, count=1) == [str(last.pk)]
+    assert notified(listener, timeout=0.5) == []
+
+    assert transitions.claim(actor=agent) == []
+    assert notified(listener, timeout=0.5) == []
 
 
 @pytest.mark.django_db(transaction=True)
