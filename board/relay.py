@@ -33,6 +33,7 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connection
 from django_eventstream.utils import sse_encode_event
 from psycopg.rows import dict_row
@@ -133,7 +134,15 @@ class Subscriber:
 
 def django_conninfo(application_name: str = "taskboard-relay") -> str:
     """Return a libpq connection string for Django's default database, for direct use,
-    with its sessions named ``application_name`` (over any name the settings give)."""
+    with its sessions named ``application_name`` (over any name the settings give).
+
+    DATABASE_LISTEN_URL, when set, is that database reached directly, where DATABASE_URL
+    goes through a pooler in transaction mode (PgBouncer), which cannot carry a LISTEN.
+    """
+    if settings.DATABASE_LISTEN_URL:
+        return psycopg.conninfo.make_conninfo(
+            settings.DATABASE_LISTEN_URL, application_name=application_name
+        )
     params = connection.get_connection_params()
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
     kept = {

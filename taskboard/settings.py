@@ -178,6 +178,13 @@ else:
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
     }
+# DATABASE_LISTEN_URL: the same database reached directly, for each process's relay (its
+# LISTEN, and replays of old events), when DATABASE_URL goes through a pooler in transaction
+# mode (PgBouncer), which cannot carry a LISTEN. Then no server-side cursor is used either:
+# it would outlive the transaction that its pooled connection was lent for.
+DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
+if DATABASE_LISTEN_URL:
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
     "connect_timeout", env_int("DATABASE_CONNECT_TIMEOUT", 5)
