@@ -41,16 +41,23 @@ import httpx
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
+from django.http import HttpResponse, JsonResponse
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.streamable_http import MCP_SESSION_ID_HEADER
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.inbound import MCP_PROTOCOL_VERSION_HEADER
+from mcp_types import INVALID_REQUEST
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from access import throttle
+from access.tokens import digest as tokens_digest
+from board import conf
 from board.asgi_tools import send_response
 from board.middleware import database_unavailable, disallowed_host, error_response
-from board.stream import authorize, credentials_of
+from board.stream import authorize
 from taskboard.client import Client
 from taskboard.mcp_server import Session, build_server
 
@@ -59,6 +66,11 @@ logger = logging.getLogger(__name__)
 PATHS = frozenset({"/mcp", "/mcp/"})
 # Seconds our idle timer runs past the SDK's, so that the SDK ends a session first.
 IDLE_MARGIN = 2.0
+# Open sessions per process, and per token (so that one agent cannot take them all).
+MAX_SESSIONS = 2000
+SESSIONS_PER_TOKEN = 50
+# Where the token that authenticated a request is kept in its ASGI scope.
+TOKEN_KEY = "taskboard.token"
 
 Scope = dict[str, Any]
 
@@ -112,15 +124,21 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
 
 @dataclass
 class Tracked:
-    """What :class:`Sessions` knows of one MCP session."""
+    """What :class:`Sessions` knows of one MCP session: whose it is (the digest of the
+    token that opened it), its leases, and the requests in flight for it."""
 
+    owner: str
     session: Session | None = None
     in_flight: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class Sessions:
-    """The board's side of this process's MCP sessions (their leases), by session id."""
+    """The board's side of this process's MCP sessions (their leases), by session id.
+
+    Only a session's owner moves it: a request with another token is answered 404 by the
+    SDK and changes nothing here.
+    """
 
     def __init__(self, app: Any, idle_seconds: float) -> None:
         self.app = app
@@ -130,17 +148,21 @@ class Sessions:
     def session_of(self, ctx: Context) -> Session:
         """The :class:`Session` of the MCP session that made this tool call."""
         request = ctx.request_context.request
+        scope = request.scope if request is not None else {}
         session_id = request.headers.get(MCP_SESSION_ID_HEADER) if request is not None else None
         tracked = self._tracked.get(session_id) if session_id else None
-        if request is None or tracked is None:
-            # Tools are called only in a session's requests, which begin() tracks.
-            raise RuntimeError("an MCP tool call outside a tracked HTTP session")
+        token = scope.get(TOKEN_KEY)
+        if (
+            request is None
+            or tracked is None
+            or token is None
+            or tokens_digest(token) != tracked.owner
+        ):
+            # __call__ lets a tool call through only in a session its owner opened here.
+            raise ToolError("unavailable: no MCP session of this token here. Open a new one.")
         if tracked.session is None:
-            scope = request.scope
             client = scope.get("client") or ("127.0.0.1", 0)
-            # The token authenticate() accepted for this request, and its Host, which
-            # passed ALLOWED_HOSTS.
-            token = request.headers["authorization"].partition(" ")[2].strip()
+            # The token authenticate() accepted, and the Host, which passed ALLOWED_HOSTS.
             api = Client(
                 f"http://{request.headers.get('host', 'localhost')}{scope.get('root_path', '')}",
                 token,
@@ -149,25 +171,43 @@ class Sessions:
             tracked.session = Session(api, owns_client=True)
         return tracked.session
 
-    def begin(self, session_id: str) -> None:
-        """A request for ``session_id`` begins: it is not idle."""
-        tracked = self._tracked.setdefault(session_id, Tracked())
-        tracked.in_flight += 1
-        if tracked.timer is not None:
-            tracked.timer.cancel()
-            tracked.timer = None
+    def opened(self, session_id: str, owner: str) -> None:
+        """The SDK opened ``session_id`` for the token whose digest is ``owner``; it is
+        idle until its next request."""
+        self._tracked[session_id] = Tracked(owner=owner)
+        self._idle(session_id, self._tracked[session_id])
 
-    def finish(self, session_id: str, *, gone: bool) -> None:
-        """A request for ``session_id`` finished; ``gone``: the SDK no longer has it."""
+    def owned_by(self, session_id: str, owner: str) -> bool:
         tracked = self._tracked.get(session_id)
-        if tracked is None:
-            return
-        tracked.in_flight -= 1
+        return tracked is not None and tracked.owner == owner
+
+    def count(self, owner: str) -> int:
+        return sum(1 for tracked in self._tracked.values() if tracked.owner == owner)
+
+    def begin(self, session_id: str) -> Tracked | None:
+        """A request of its owner for ``session_id`` begins: it is not idle."""
+        tracked = self._tracked.get(session_id)
+        if tracked is not None:
+            tracked.in_flight += 1
+            if tracked.timer is not None:
+                tracked.timer.cancel()
+                tracked.timer = None
+        return tracked
+
+    def finish(self, session_id: str, tracked: Tracked, *, gone: bool) -> None:
+        """The owner's request for ``session_id`` that :meth:`begin` counted finished;
+        ``gone``: the SDK no longer has the session."""
+        if self._tracked.get(session_id) is not tracked:
+            return  # ended meanwhile
+        tracked.in_flight = max(0, tracked.in_flight - 1)
         if gone:
             self.end(session_id)
         elif tracked.in_flight == 0:
-            loop = asyncio.get_running_loop()
-            tracked.timer = loop.call_later(self.idle_seconds + IDLE_MARGIN, self.end, session_id)
+            self._idle(session_id, tracked)
+
+    def _idle(self, session_id: str, tracked: Tracked) -> None:
+        loop = asyncio.get_running_loop()
+        tracked.timer = loop.call_later(self.idle_seconds + IDLE_MARGIN, self.end, session_id)
 
     def end(self, session_id: str) -> None:
         """Forget ``session_id`` and stop its heartbeats (in a thread: they may be waiting
@@ -179,7 +219,8 @@ class Sessions:
             tracked.timer.cancel()
         if tracked.session is not None:
             logger.info("MCP session %s ended; its leases will run out", session_id[:8])
-            asyncio.get_running_loop().run_in_executor(None, tracked.session.close)
+            closing = asyncio.get_running_loop().run_in_executor(None, tracked.session.close)
+            closing.add_done_callback(_log_failure)
 
     async def end_all(self) -> None:
         sessions = [t.session for t in self._tracked.values() if t.session is not None]
@@ -188,6 +229,11 @@ class Sessions:
                 tracked.timer.cancel()
         self._tracked.clear()
         await asyncio.gather(*(asyncio.to_thread(session.close) for session in sessions))
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and (error := future.exception()) is not None:
+        logger.error("closing an MCP session failed", exc_info=error)
 
 
 class MCPApplication:
@@ -200,6 +246,9 @@ class MCPApplication:
         # through this Starlette application.
         self.server.streamable_http_app(
             session_idle_timeout=settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS,
+            # The API's limit on bodies.
+            max_request_body_size=conf.MAX_BODY_BYTES,
+            max_sessions=MAX_SESSIONS,
             # Hosts are checked against ALLOWED_HOSTS as for every request (in __call__).
             # Origins need no check: only a token opens a session, and no browser sends
             # one by itself (no cookie is accepted here).
@@ -220,17 +269,49 @@ class MCPApplication:
         if (refused := disallowed_host(scope)) is not None:
             await send_response(send, refused)
             return
+        if settings.TASKBOARD_SERVE_WORKERS > 1:
+            # A session lives in one process's memory, and the processes of one port share
+            # its connections at random: refuse rather than hold tasks nobody can finish.
+            await send_response(send, _one_process_only())
+            return
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in scope["headers"]
         }
-        user = await self.authenticate(scope, headers, send)
-        if user is None:
+        version = headers.get(MCP_PROTOCOL_VERSION_HEADER)
+        if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+            # Sessionless exchanges (2026-07-28) cannot keep a lease between two calls.
+            await _jsonrpc_error(
+                send,
+                400,
+                f"MCP protocol version {version[:32]!r} is not served here: this server "
+                f"keeps leases in sessions ({', '.join(HANDSHAKE_PROTOCOL_VERSIONS)}).",
+            )
             return
+        authenticated = await self.authenticate(scope, headers, send)
+        if authenticated is None:
+            return
+        user, token = authenticated
+        owner = tokens_digest(token)
         scope = dict(scope, user=user, path="/mcp/", raw_path=b"/mcp/")
+        scope[TOKEN_KEY] = token
         session_id = headers.get(MCP_SESSION_ID_HEADER)
         if session_id is None:
-            await self.manager.handle_request(scope, receive, _capture_session(send, self.sessions))
+            if self.sessions.count(owner) >= SESSIONS_PER_TOKEN:
+                await _jsonrpc_error(
+                    send,
+                    429,
+                    f"This token has {SESSIONS_PER_TOKEN} MCP sessions open here: end one "
+                    "(DELETE) before opening another.",
+                )
+                return
+            await self.manager.handle_request(
+                scope, receive, _capture_session(send, self.sessions, owner)
+            )
+            return
+        if not self.sessions.owned_by(session_id, owner):
+            # Another token's session, or none: the SDK answers 404, and nothing here moves.
+            await self.manager.handle_request(scope, receive, send)
             return
         status: list[int] = []
 
@@ -239,23 +320,27 @@ class MCPApplication:
                 status.append(message["status"])
             await send(message)
 
-        self.sessions.begin(session_id)
+        tracked = self.sessions.begin(session_id)
         try:
             await self.manager.handle_request(scope, receive, watched)
         finally:
-            deleted = scope["method"] == "DELETE" and bool(status) and status[0] < 300
-            self.sessions.finish(session_id, gone=deleted or status[:1] == [404])
+            if tracked is not None:
+                deleted = scope["method"] == "DELETE" and bool(status) and status[0] < 300
+                gone = deleted or status[:1] == [404]
+                self.sessions.finish(session_id, tracked, gone=gone)
 
     async def authenticate(
         self, scope: Scope, headers: dict[str, str], send: Any
-    ) -> AuthenticatedUser | None:
-        """The request's token as the SDK's user, or None after answering 401/429/503."""
+    ) -> tuple[AuthenticatedUser, str] | None:
+        """The request's token, as the SDK's user and as it was sent; or None after
+        answering 401, 429 or 503."""
         client = scope.get("client")
         address = str(client[0]) if client else ""
+        authorization = headers.get("authorization", "")
         try:
             # Only a token: a browser's session cookie is no credential for an agent's tools.
             authorized = await sync_to_async(authorize, thread_sensitive=False)(
-                {"authorization": headers.get("authorization", "")}, address
+                {"authorization": authorization}, address
             )
         except throttle.Throttled as exc:
             await send_response(send, throttle.throttled(exc.seconds))
@@ -272,25 +357,41 @@ class MCPApplication:
             await send_response(send, response)
             return None
         user, _ = authorized
-        _, digest = credentials_of(headers)
+        token = authorization.partition(" ")[2].strip()
+        digest = tokens_digest(token)
         # The SDK binds a session to this principal: the token, not just the user, so that
         # a rotated token cannot carry on a session the old one opened.
-        return AuthenticatedUser(
-            AccessToken(token=digest, client_id=f"token:{digest}", scopes=[], subject=str(user.pk))
+        principal = AccessToken(
+            token=digest, client_id=f"token:{digest}", scopes=[], subject=str(user.pk)
         )
+        return AuthenticatedUser(principal), token
 
 
-def _capture_session(send: Any, sessions: Sessions) -> Any:
+def _one_process_only() -> HttpResponse:
+    return error_response(
+        503,
+        "unavailable",
+        "MCP over HTTP needs a server of one process (taskboard serve --workers 1): a "
+        "session lives in the process that opened it. Use taskboard mcp (stdio) instead, "
+        "or serve /mcp/ from a server of one process.",
+    )
+
+
+async def _jsonrpc_error(send: Any, status: int, message: str) -> None:
+    """Answer as the SDK answers a request it refuses: a JSON-RPC error without an id."""
+    body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": message}}
+    await send_response(send, JsonResponse(body, status=status))
+
+
+def _capture_session(send: Any, sessions: Sessions, owner: str) -> Any:
     """Wrap ``send`` to track the session that an initialize request opens, from its
-    answer's ``Mcp-Session-Id``, as idle from the moment the answer is sent."""
+    answer's ``Mcp-Session-Id``, as the token ``owner``'s."""
 
     async def capture(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.start" and message["status"] < 300:
             for name, value in message.get("headers", []):
                 if name.decode("latin-1").lower() == MCP_SESSION_ID_HEADER:
-                    session_id = value.decode("latin-1")
-                    sessions.begin(session_id)
-                    sessions.finish(session_id, gone=False)
+                    sessions.opened(value.decode("latin-1"), owner)
         await send(message)
 
     return capture

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 from typing import Any
@@ -31,6 +32,7 @@ from django.core.wsgi import get_wsgi_application
 from django.db import connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
+logger = logging.getLogger(__name__)
 
 django_application = WSGIMiddleware(
     get_wsgi_application(),  # type: ignore[arg-type]
@@ -76,7 +78,10 @@ async def lifespan(receive: Any, send: Any) -> None:
         elif message["type"] == "lifespan.shutdown":
             closing().set()
             if mcp is not None:
-                await mcp
+                try:
+                    await mcp
+                except Exception:
+                    logger.exception("serving /mcp/ failed")
             await stop_relays()
             await close_worker_connections()
             await send({"type": "lifespan.shutdown.complete"})

@@ -175,8 +175,24 @@ class Session:
             self.client.close()
 
 
-async def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking client call in a worker thread, turning refusals into tool errors."""
+# Claims that wait for work hold a worker thread each for up to a minute: they get threads
+# of their own, so that many of them (one per MCP session over HTTP) never hold up other
+# tools, which share anyio's default 40.
+WAITING_CLAIMS = anyio.CapacityLimiter(1000)
+
+
+async def _call(
+    function: Callable[..., T],
+    *args: Any,
+    limiter: anyio.CapacityLimiter | None = None,
+    **kwargs: Any,
+) -> T:
+    """Run a blocking client call in a worker thread, turning refusals into tool errors.
+
+    Everything that may wait for the board (a request, a heartbeat thread to stop) runs
+    in a worker thread, never on the event loop: over HTTP (board.mcp_http) the board's
+    answers come from that very loop.
+    """
 
     def run() -> T:
         try:
@@ -184,7 +200,7 @@ async def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except TaskboardError as exc:
             raise _refusal(exc) from exc
 
-    return await anyio.to_thread.run_sync(run)
+    return await anyio.to_thread.run_sync(run, limiter=limiter)
 
 
 SessionOf = Callable[[Context], Session]
@@ -250,17 +266,17 @@ def build_server(session_of: SessionOf) -> MCPServer:
         fail_task, release_task or escalate_task.
         """
         session = session_of(ctx)
-        claimed = await _call(
-            session.client.claim,
-            queues=queues,
-            limit=1,
-            lease_seconds=lease_seconds,
-            wait=wait or 0,
-        )
-        if not claimed:
-            return None
-        session.hold(claimed[0])
-        return _public(claimed[0])
+
+        def claim() -> dict[str, Any] | None:
+            claimed = session.client.claim(
+                queues=queues, limit=1, lease_seconds=lease_seconds, wait=wait or 0
+            )
+            if not claimed:
+                return None
+            session.hold(claimed[0])
+            return _public(claimed[0])
+
+        return await _call(claim, limiter=WAITING_CLAIMS if wait else None)
 
     @server.tool()
     async def report_progress(task_id: int, progress: Any, *, ctx: Context) -> dict[str, Any]:
@@ -269,19 +285,16 @@ def build_server(session_of: SessionOf) -> MCPServer:
         stop, the next agent gets this progress and resumes from it. Answers the task, or
         a lease_lost error: then stop working on the task."""
         session = session_of(ctx)
-        lease = session.lease(task_id)
 
-        def beat() -> Task:
-            return lease.heartbeat(progress)
+        def beat() -> dict[str, Any]:
+            lease = session.lease(task_id)
+            try:
+                return _public(lease.heartbeat(progress))
+            except LeaseLost as exc:
+                session.forget(task_id)
+                raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
 
-        try:
-            task = await anyio.to_thread.run_sync(beat)
-        except LeaseLost as exc:
-            session.forget(task_id)
-            raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
-        except TaskboardError as exc:
-            raise _refusal(exc) from exc
-        return _public(task)
+        return await _call(beat)
 
     @server.tool()
     async def complete_task(task_id: int, result: Any = None, *, ctx: Context) -> dict[str, Any]:

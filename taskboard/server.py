@@ -58,6 +58,8 @@ def run(config: Config) -> None:
     server = uvicorn.Server(config)
     try:
         if config.workers > 1:
+            # The processes learn that they share the port (settings: /mcp/ refuses then).
+            os.environ["TASKBOARD_SERVE_WORKERS"] = str(config.workers)
             Multiprocess(config, sockets=[config.bind_socket()]).run()
         else:
             server.run()

@@ -290,6 +290,10 @@ TASKBOARD_MCP_SESSION_IDLE_SECONDS = env_int("TASKBOARD_MCP_SESSION_IDLE_SECONDS
 if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
     raise ImproperlyConfigured("TASKBOARD_MCP_SESSION_IDLE_SECONDS must be 1 or more.")
 
+# How many processes `taskboard serve --workers N` runs on its port; serve sets it for them
+# (taskboard.server). /mcp/ needs one: a session lives in the process that opened it.
+TASKBOARD_SERVE_WORKERS = env_int("TASKBOARD_SERVE_WORKERS", 1)
+
 # Lease and strike defaults (board.conf reads these).
 TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)
 TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3)

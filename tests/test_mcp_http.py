@@ -1,0 +1,197 @@
+"""``/mcp/`` at the level of its HTTP requests, as a client that is not the SDK's (or a
+hostile one) sends them: sessions belong to the token that opened them, requests the board
+cannot serve are refused clearly, and no tool call can hold up the server's event loop or
+the other sessions' tools. (The SDK's own client drives the tools in tests/test_mcp.py.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from board import transitions
+from board.models import Task
+from tests.factories import TokenFactory, UserFactory
+from tests.live import LiveServer
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.once]
+
+ACCEPT = "application/json, text/event-stream"
+VERSION = "2025-06-18"
+
+
+def token_of(username: str) -> str:
+    return str(TokenFactory(user=UserFactory(username=username)).key)
+
+
+def rpc_result(response: httpx.Response) -> Any:
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in response.text.splitlines():
+            if line.startswith("data:"):
+                return json.loads(line[5:])
+    return response.json()
+
+
+def open_session(url: str, token: str) -> str:
+    headers = {"Authorization": f"Bearer {token}", "Accept": ACCEPT}
+    params = {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "t"}}
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+    opened = httpx.post(url, headers=headers, json=initialize)
+    assert opened.status_code == 200, opened.text
+    session_id = opened.headers["mcp-session-id"]
+    headers.update({"Mcp-Session-Id": session_id, "MCP-Protocol-Version": VERSION})
+    ready = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert httpx.post(url, headers=headers, json=ready).status_code == 202
+    return session_id
+
+
+def call(url: str, token: str, session_id: str, tool: str, **arguments: Any) -> Any:
+    headers = {
+        "Authorization": f"Bearer {token}",
+        "Accept": ACCEPT,
+        "Mcp-Session-Id": session_id,
+        "MCP-Protocol-Version": VERSION,
+    }
+    request = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": tool, "arguments": arguments},
+    }
+    response = httpx.post(url, headers=headers, json=request, timeout=30)
+    return response.status_code, rpc_result(response)
+
+
+def claimed_id(body: Any) -> int:
+    return int(body["result"]["structuredContent"]["result"]["id"])
+
+
+def test_a_sessionless_2026_request_is_refused_and_cannot_borrow_a_session(
+    server: LiveServer,
+) -> None:
+    alice, mallory = token_of("alice"), token_of("mallory")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+    call(url, alice, session_id, "create_task", title="alice's", queue="q")
+    _status, body = call(url, alice, session_id, "claim_task", queues=["q"])
+    task_id = claimed_id(body)
+
+    # Mallory names alice's session in a request of the sessionless protocol (2026-07-28),
+    # which the SDK serves without looking at sessions.
+    headers = {
+        "Authorization": f"Bearer {mallory}",
+        "Accept": ACCEPT,
+        "MCP-Protocol-Version": "2026-07-28",
+        "Mcp-Session-Id": session_id,
+    }
+    params = {"name": "complete_task", "arguments": {"task_id": task_id, "result": "pwned"}}
+    forged = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
+    response = httpx.post(url, headers=headers, json=forged)
+
+    assert response.status_code == 400
+    assert "2026-07-28" in response.json()["error"]["message"]
+    task = Task.objects.get(pk=task_id)
+    assert task.status == "in_progress" and task.result is None
+
+
+def test_another_tokens_request_for_a_session_leaves_its_leases_alone(
+    server: LiveServer,
+) -> None:
+    alice, mallory = token_of("alice"), token_of("mallory")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+    call(url, alice, session_id, "create_task", title="alice's", queue="q")
+    _, body = call(url, alice, session_id, "claim_task", queues=["q"], lease_seconds=2)
+    task_id = claimed_id(body)
+
+    headers = {
+        "Authorization": f"Bearer {mallory}",
+        "Accept": ACCEPT,
+        "Mcp-Session-Id": session_id,
+        "MCP-Protocol-Version": VERSION,
+    }
+    assert httpx.get(url, headers=headers).status_code == 404
+    assert httpx.delete(url, headers=headers).status_code == 404
+
+    time.sleep(3.5)  # past the lease: only the session's heartbeats keep it
+    _status, body = call(url, alice, session_id, "complete_task", task_id=task_id)
+    assert not body["result"].get("isError"), body
+    assert Task.objects.get(pk=task_id).status == "done"
+
+
+def test_a_lost_lease_found_by_report_progress_never_blocks_the_event_loop(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = transitions.heartbeat
+
+    def slow_background_heartbeat(**kwargs: Any) -> Any:
+        if kwargs.get("progress") is None:  # the session's own heartbeats
+            time.sleep(1.5)  # a slow database
+        return real(**kwargs)
+
+    monkeypatch.setattr(transitions, "heartbeat", slow_background_heartbeat)
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+    call(url, alice, session_id, "create_task", title="t", queue="q")
+    started = time.monotonic()
+    _, body = call(url, alice, session_id, "claim_task", queues=["q"], lease_seconds=6)
+    task_id = claimed_id(body)
+    # The lease is lost (as when another agent claimed the task after it expired) ...
+    Task.objects.filter(pk=task_id).update(lease_token=uuid.uuid4())
+    # ... while the session's heartbeat (every 2 s) is on its way.
+    time.sleep(max(0, started + 2.3 - time.monotonic()))
+    latency: list[float] = []
+
+    def probe() -> None:
+        time.sleep(0.3)
+        began = time.monotonic()
+        httpx.get(f"{server.url}/healthz", timeout=30)
+        latency.append(time.monotonic() - began)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    _status, body = call(url, alice, session_id, "report_progress", task_id=task_id, progress=1)
+    prober.join()
+
+    assert body["result"]["isError"] and "lease_lost" in body["result"]["content"][0]["text"]
+    assert latency[0] < 1.0, f"the server froze for {latency[0]:.1f} s"
+
+
+def test_forty_waiting_claims_do_not_hold_up_another_sessions_tools(
+    server: LiveServer,
+) -> None:
+    url = f"{server.url}/mcp/"
+    tokens = [token_of(f"agent-{n}") for n in range(41)]
+    sessions = [open_session(url, token) for token in tokens]
+
+    def wait_for_work(n: int) -> None:
+        call(url, tokens[n], sessions[n], "claim_task", queues=["empty"], wait=8)
+
+    waiters = [threading.Thread(target=wait_for_work, args=(n,)) for n in range(40)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(1.5)
+    started = time.monotonic()
+    status, body = call(url, tokens[40], sessions[40], "list_tasks")
+    took = time.monotonic() - started
+    for waiter in waiters:
+        waiter.join()
+
+    assert status == 200 and not body["result"].get("isError"), body
+    assert took < 2, f"list_tasks of an unrelated session took {took:.1f} s"
+
+
+def test_mcp_is_refused_clearly_by_a_server_of_several_processes(
+    server: LiveServer, settings: Any
+) -> None:
+    settings.TASKBOARD_SERVE_WORKERS = 2
+    headers = {"Authorization": f"Bearer {token_of('alice')}", "Accept": ACCEPT}
+    response = httpx.post(f"{server.url}/mcp/", headers=headers, json={})
+    assert response.status_code == 503
+    assert "--workers 1" in response.json()["detail"]
