@@ -67,8 +67,12 @@ def call(url: str, token: str, session_id: str, tool: str, **arguments: Any) -> 
     return response.status_code, rpc_result(response)
 
 
-def claimed_id(body: Any) -> int:
-    return int(body["result"]["structuredContent"]["result"]["id"])
+def holding_a_task(url: str, token: str, lease_seconds: int = 120) -> tuple[str, int]:
+    """Open a session of ``token`` that creates a task and claims it: (session id, task id)."""
+    session_id = open_session(url, token)
+    call(url, token, session_id, "create_task", title="mine", queue="q")
+    _, body = call(url, token, session_id, "claim_task", queues=["q"], lease_seconds=lease_seconds)
+    return session_id, int(body["result"]["structuredContent"]["result"]["id"])
 
 
 def test_a_sessionless_2026_request_is_refused_and_cannot_borrow_a_session(
@@ -76,10 +80,7 @@ def test_a_sessionless_2026_request_is_refused_and_cannot_borrow_a_session(
 ) -> None:
     alice, mallory = token_of("alice"), token_of("mallory")
     url = f"{server.url}/mcp/"
-    session_id = open_session(url, alice)
-    call(url, alice, session_id, "create_task", title="alice's", queue="q")
-    _status, body = call(url, alice, session_id, "claim_task", queues=["q"])
-    task_id = claimed_id(body)
+    session_id, task_id = holding_a_task(url, alice)
 
     # Mallory names alice's session in a request of the sessionless protocol (2026-07-28),
     # which the SDK serves without looking at sessions.
@@ -104,10 +105,7 @@ def test_another_tokens_request_for_a_session_leaves_its_leases_alone(
 ) -> None:
     alice, mallory = token_of("alice"), token_of("mallory")
     url = f"{server.url}/mcp/"
-    session_id = open_session(url, alice)
-    call(url, alice, session_id, "create_task", title="alice's", queue="q")
-    _, body = call(url, alice, session_id, "claim_task", queues=["q"], lease_seconds=2)
-    task_id = claimed_id(body)
+    session_id, task_id = holding_a_task(url, alice, lease_seconds=2)
 
     headers = {
         "Authorization": f"Bearer {mallory}",
@@ -137,11 +135,8 @@ def test_a_lost_lease_found_by_report_progress_never_blocks_the_event_loop(
     monkeypatch.setattr(transitions, "heartbeat", slow_background_heartbeat)
     alice = token_of("alice")
     url = f"{server.url}/mcp/"
-    session_id = open_session(url, alice)
-    call(url, alice, session_id, "create_task", title="t", queue="q")
     started = time.monotonic()
-    _, body = call(url, alice, session_id, "claim_task", queues=["q"], lease_seconds=6)
-    task_id = claimed_id(body)
+    session_id, task_id = holding_a_task(url, alice, lease_seconds=6)
     # The lease is lost (as when another agent claimed the task after it expired) ...
     Task.objects.filter(pk=task_id).update(lease_token=uuid.uuid4())
     # ... while the session's heartbeat (every 2 s) is on its way.
