@@ -28,11 +28,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
 
 from taskboard.client import (
     ClaimedTask,
@@ -45,6 +46,17 @@ from taskboard.client import (
 )
 
 T = TypeVar("T")
+
+# The API's bounds (board.conf, board.models; tests/test_mcp.py checks that they agree), in
+# the tools' input schemas, so that a model sees them and the SDK refuses what is outside.
+TaskId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+Priority = Annotated[int, Field(ge=-1000, le=1000)]
+MaxFailures = Annotated[int, Field(ge=1, le=100)]
+AttemptSeconds = Annotated[int, Field(ge=1, le=604800)]
+Dependencies = Annotated[list[TaskId], Field(max_length=100)]
+LeaseSeconds = Annotated[int, Field(ge=1, le=86400)]
+WaitSeconds = Annotated[float, Field(ge=0, le=60)]
+RetryAfter = Annotated[int, Field(ge=0, le=86400 * 30)]
 
 INSTRUCTIONS = """\
 This server is a shared task board: humans and agents post tasks, and you claim and do them.
@@ -219,12 +231,12 @@ def build_server(session_of: SessionOf) -> MCPServer:
         description: str | None = None,
         payload: dict[str, Any] | None = None,
         queue: str | None = None,
-        priority: int | None = None,
-        depends_on: list[int] | None = None,
-        parent_id: int | None = None,
-        max_failures: int | None = None,
+        priority: Priority | None = None,
+        depends_on: Dependencies | None = None,
+        parent_id: TaskId | None = None,
+        max_failures: MaxFailures | None = None,
         run_after: str | None = None,
-        max_attempt_seconds: int | None = None,
+        max_attempt_seconds: AttemptSeconds | None = None,
         *,
         ctx: Context,
     ) -> dict[str, Any]:
@@ -253,8 +265,8 @@ def build_server(session_of: SessionOf) -> MCPServer:
     @server.tool()
     async def claim_task(
         queues: list[str] | None = None,
-        lease_seconds: int | None = None,
-        wait: float | None = None,
+        lease_seconds: LeaseSeconds | None = None,
+        wait: WaitSeconds | None = None,
         *,
         ctx: Context,
     ) -> dict[str, Any] | None:
@@ -279,7 +291,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         return await _call(claim, limiter=WAITING_CLAIMS if wait else None)
 
     @server.tool()
-    async def report_progress(task_id: int, progress: Any, *, ctx: Context) -> dict[str, Any]:
+    async def report_progress(task_id: TaskId, progress: Any, *, ctx: Context) -> dict[str, Any]:
         """Record how far you are on a task you hold (any small JSON value, such as
         {"step": 3, "of": 10, "note": "..."}). Report after each meaningful step: if you
         stop, the next agent gets this progress and resumes from it. Answers the task, or
@@ -297,7 +309,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         return await _call(beat)
 
     @server.tool()
-    async def complete_task(task_id: int, result: Any = None, *, ctx: Context) -> dict[str, Any]:
+    async def complete_task(task_id: TaskId, result: Any = None, *, ctx: Context) -> dict[str, Any]:
         """Finish a task you hold as done, with its result (any JSON value)."""
         session = session_of(ctx)
         return await anyio.to_thread.run_sync(
@@ -306,7 +318,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
     @server.tool()
     async def fail_task(
-        task_id: int, error: str, retry_after: int | None = None, *, ctx: Context
+        task_id: TaskId, error: str, retry_after: RetryAfter | None = None, *, ctx: Context
     ) -> dict[str, Any]:
         """Give up on a task you hold because it did not work, saying why (error). It counts
         a strike: the task is retried (after retry_after seconds, if given) and goes to a
@@ -317,7 +329,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
-    async def release_task(task_id: int, *, ctx: Context) -> dict[str, Any]:
+    async def release_task(task_id: TaskId, *, ctx: Context) -> dict[str, Any]:
         """Give a task you hold back to the board untouched, without a strike (you cannot
         do it now; someone else may)."""
         session = session_of(ctx)
@@ -326,7 +338,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
-    async def escalate_task(task_id: int, reason: str, *, ctx: Context) -> dict[str, Any]:
+    async def escalate_task(task_id: TaskId, reason: str, *, ctx: Context) -> dict[str, Any]:
         """Hand a task you hold to the humans, with the reason: when it needs a decision or
         access you do not have. They will requeue, resolve or cancel it."""
         session = session_of(ctx)
@@ -335,14 +347,14 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
-    async def comment_task(task_id: int, body: str, *, ctx: Context) -> dict[str, Any]:
+    async def comment_task(task_id: TaskId, body: str, *, ctx: Context) -> dict[str, Any]:
         """Add a comment to a task's history (any task, held or not): notes for the humans
         and agents who read it. Answers the comment's event."""
         event = await _call(session_of(ctx).client.comment, task_id, body)
         return _event(event)
 
     @server.tool()
-    async def get_task(task_id: int, *, ctx: Context) -> dict[str, Any]:
+    async def get_task(task_id: TaskId, *, ctx: Context) -> dict[str, Any]:
         """Read a task and its history (events, oldest first)."""
         client = session_of(ctx).client
         task = await _call(client.get, task_id)
@@ -353,7 +365,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
     async def list_tasks(
         status: str | None = None,
         queue: str | None = None,
-        parent: int | None = None,
+        parent: TaskId | None = None,
         blocked: bool | None = None,
         *,
         ctx: Context,

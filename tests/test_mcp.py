@@ -22,8 +22,8 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from board import transitions
-from board.models import Task, TaskEvent
+from board import conf, transitions
+from board.models import MAX_ATTEMPT_SECONDS, MAX_DEPENDENCIES, Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, live_server
 from tests.processes import ROOT, cli_env
@@ -126,6 +126,25 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
                 assert tool.description, tool.name
             claim = next(tool for tool in tools if tool.name == "claim_task")
             assert "progress" in (claim.description or "")
+
+            # The API's bounds are in the schemas, and what is outside them is refused.
+            def bounds(tool: str, name: str) -> dict[str, Any]:
+                schema = next(t for t in tools if t.name == tool).input_schema
+                field = schema["properties"][name]
+                return next((part for part in field.get("anyOf", []) if "type" in part), field)
+
+            assert bounds("claim_task", "wait")["maximum"] == conf.MAX_WAIT_SECONDS
+            assert bounds("claim_task", "lease_seconds")["maximum"] == conf.MAX_LEASE_SECONDS
+            assert bounds("fail_task", "retry_after")["maximum"] == conf.MAX_LEASE_SECONDS * 30
+            assert bounds("create_task", "max_attempt_seconds")["maximum"] == MAX_ATTEMPT_SECONDS
+            assert bounds("create_task", "depends_on")["maxItems"] == MAX_DEPENDENCIES
+            assert bounds("create_task", "priority") | {"type": "integer"} == {
+                "type": "integer",
+                "minimum": -1000,
+                "maximum": 1000,
+            }
+            too_long = await session.call_tool("claim_task", {"wait": 1e308})
+            assert too_long.is_error and "wait" in text_of(too_long)
 
     run(test)
 
