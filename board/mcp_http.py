@@ -6,7 +6,10 @@ what is here is what the board adds around it:
 - **Authentication.** Every request needs the API's ``Authorization: Bearer <token>``
   (checked as the stream checks it: board.stream.authorize, failures throttled per
   address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
-  token that opened it: the SDK answers ``404`` to a request for it with another token.
+  token that opened it: the SDK answers ``404`` to a request for it with another token,
+  and such a request moves nothing here. Requests of the sessionless protocol version
+  (2026-07-28), which the SDK serves without looking at sessions and which could not keep
+  a lease from one call to the next, are refused (``400``).
 - **The tools call this process's own API, in process.** Each session has a
   :class:`~taskboard.client.Client` with its token whose transport hands the request to
   this server's HTTP application on its event loop (:class:`InProcess`), so the tools
@@ -23,8 +26,14 @@ follows each session from the HTTP requests that name it: a ``DELETE`` that succ
 a ``404`` ends it at once, and its idle timer is the SDK's plus a margin, so that the SDK
 has forgotten the session (and answers ``404``) before its leases are let go.
 
-Sessions live in the process that opened them: behind several server processes, a
-session's requests must reach the same one (README, "Deploying at scale").
+Sessions live in the process that opened them: behind several servers, a session's
+requests must reach the same one (README, "Deploying at scale"), and a server whose
+processes share one port (``serve --workers N``) refuses MCP (``503``), since their
+connections reach them at random. Moving sessions and their leases into PostgreSQL would
+lift that.
+
+Nothing here or in the tools that may wait for the board runs on the event loop: the
+board's answers to the tools come from that very loop (taskboard.mcp_server._call).
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ working on the task.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -188,9 +190,20 @@ class Session:
 
 
 # Claims that wait for work hold a worker thread each for up to a minute: they get threads
-# of their own, so that many of them (one per MCP session over HTTP) never hold up other
-# tools, which share anyio's default 40.
-WAITING_CLAIMS = anyio.CapacityLimiter(1000)
+# of their own (up to this many at once, per event loop), so that many of them (one per MCP
+# session over HTTP) never hold up other tools, which share anyio's default 40.
+WAITING_CLAIMS = 1000
+_waiting_claims: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _waiting_limiter() -> anyio.CapacityLimiter:
+    loop = asyncio.get_running_loop()
+    limiter = _waiting_claims.get(loop)
+    if limiter is None:
+        limiter = _waiting_claims[loop] = anyio.CapacityLimiter(WAITING_CLAIMS)
+    return limiter
 
 
 async def _call(
@@ -288,7 +301,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
             session.hold(claimed[0])
             return _public(claimed[0])
 
-        return await _call(claim, limiter=WAITING_CLAIMS if wait else None)
+        return await _call(claim, limiter=_waiting_limiter() if wait else None)
 
     @server.tool()
     async def report_progress(task_id: TaskId, progress: Any, *, ctx: Context) -> dict[str, Any]:

