@@ -402,3 +402,40 @@ def test_a_claim_reads_a_few_index_entries_however_many_tasks_are_pending(
         actual = re.search(r"actual time=\S+ rows=(\d+)", line)
         assert actual and int(actual[1]) <= 5, plan
     assert "Seq Scan on tasks" not in plan, plan
+
+
+# --- tables -------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_no_table_of_django_eventstream_is_made() -> None:
+    tables = connection.introspection.table_names()
+    assert not [table for table in tables if table.startswith("django_eventstream")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_older_installs_eventstream_tables_are_dropped_by_the_migration() -> None:
+    from django.db.migrations.executor import MigrationExecutor
+
+    before, after = (
+        ("board", "0009_notify_per_statement"),
+        ("board", "0010_drop_unused_eventstream_tables"),
+    )
+    executor = MigrationExecutor(connection)
+    executor.migrate([before])
+    with connection.cursor() as cursor:
+        # As django-eventstream's own migration made them (the columns do not matter).
+        cursor.execute("CREATE TABLE django_eventstream_event (id bigserial PRIMARY KEY)")
+        cursor.execute("CREATE TABLE django_eventstream_eventcounter (id bigserial PRIMARY KEY)")
+        cursor.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('django_eventstream', '0001_initial', now())"
+        )
+    executor = MigrationExecutor(connection)
+    executor.migrate([after])
+
+    tables = connection.introspection.table_names()
+    assert not [table for table in tables if table.startswith("django_eventstream")]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM django_migrations WHERE app = 'django_eventstream'")
+        assert cursor.fetchone() == (0,)
