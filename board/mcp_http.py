@@ -58,7 +58,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.streamable_http import MCP_SESSION_ID_HEADER
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.inbound import MCP_PROTOCOL_VERSION_HEADER
-from mcp_types import INVALID_REQUEST
+from mcp_types import INVALID_REQUEST, UNSUPPORTED_PROTOCOL_VERSION
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from access import throttle
@@ -287,18 +287,23 @@ class MCPApplication:
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in scope["headers"]
         }
+        authenticated = await self.authenticate(scope, headers, send)
+        if authenticated is None:
+            return
         version = headers.get(MCP_PROTOCOL_VERSION_HEADER)
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
-            # Sessionless exchanges (2026-07-28) cannot keep a lease between two calls.
+            # Sessionless exchanges (2026-07-28) cannot keep a lease between two calls. The
+            # protocol's answer to a version a server does not speak names those it does:
+            # the SDK's client (mode "auto") then falls back to the initialize handshake.
+            supported = list(HANDSHAKE_PROTOCOL_VERSIONS)
             await _jsonrpc_error(
                 send,
                 400,
                 f"MCP protocol version {version[:32]!r} is not served here: this server "
-                f"keeps leases in sessions ({', '.join(HANDSHAKE_PROTOCOL_VERSIONS)}).",
+                f"keeps leases in sessions ({', '.join(supported)}).",
+                code=UNSUPPORTED_PROTOCOL_VERSION,
+                data={"supported": supported, "requested": version[:32]},
             )
-            return
-        authenticated = await self.authenticate(scope, headers, send)
-        if authenticated is None:
             return
         user, token = authenticated
         owner = tokens_digest(token)
@@ -386,10 +391,16 @@ def _one_process_only() -> HttpResponse:
     )
 
 
-async def _jsonrpc_error(send: Any, status: int, message: str) -> None:
+async def _jsonrpc_error(
+    send: Any, status: int, message: str, *, code: int = INVALID_REQUEST, data: Any = None
+) -> None:
     """Answer as the SDK answers a request it refuses: a JSON-RPC error without an id."""
-    body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": message}}
-    await send_response(send, JsonResponse(body, status=status))
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    await send_response(
+        send, JsonResponse({"jsonrpc": "2.0", "id": None, "error": error}, status=status)
+    )
 
 
 def _capture_session(send: Any, sessions: Sessions, owner: str) -> Any:

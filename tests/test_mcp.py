@@ -384,3 +384,33 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
 
     with live_server() as server:
         run(lambda: test(server))
+
+
+def test_http_the_sdks_client_in_auto_mode_falls_back_to_a_session(
+    server: LiveServer, token: str
+) -> None:
+    """The SDK's high-level Client probes the sessionless protocol first (server/discover,
+    2026-07-28); /mcp/ answers that it speaks only the session versions, and the client
+    falls back to the initialize handshake, whose sessions keep leases."""
+    from mcp.client.client import Client
+
+    async def test() -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with create_mcp_http_client(headers=headers) as http:
+            transport = streamable_http_client(f"{server.url}/mcp/", http_client=http)
+            async with Client(transport) as client:
+                tools = await client.list_tools()
+                assert {tool.name for tool in tools.tools} == TOOLS
+                created = await client.call_tool("create_task", {"title": "auto", "queue": "a"})
+                assert not created.is_error, text_of(created)
+                claimed = await client.call_tool(
+                    "claim_task", {"queues": ["a"], "lease_seconds": 2}
+                )
+                assert not claimed.is_error, text_of(claimed)
+                await anyio.sleep(3)  # past the lease: the session heartbeats it
+                task_id = created.structured_content["id"]  # type: ignore[index]
+                done = await client.call_tool("complete_task", {"task_id": task_id})
+                assert not done.is_error, text_of(done)
+        assert (await db(lambda: Task.objects.get(pk=task_id))).status == "done"
+
+    run(test)
