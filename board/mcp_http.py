@@ -58,17 +58,18 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.streamable_http import MCP_SESSION_ID_HEADER
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.inbound import MCP_PROTOCOL_VERSION_HEADER
-from mcp_types import INVALID_REQUEST, UNSUPPORTED_PROTOCOL_VERSION
+from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, UNSUPPORTED_PROTOCOL_VERSION
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from access import throttle
 from access.tokens import digest as tokens_digest
 from board import conf
+from board.api.authentication import cached_user, remember
 from board.asgi_tools import send_response
-from board.middleware import database_unavailable, disallowed_host, error_response
+from board.middleware import disallowed_host, error_response
 from board.stream import authorize
 from taskboard.client import Client
-from taskboard.mcp_server import Session, build_server
+from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ class Sessions:
                 f"http://{request.headers.get('host', 'localhost')}{scope.get('root_path', '')}",
                 token,
                 transport=InProcess(self.app, asyncio.get_running_loop(), tuple(client)),
+                **TOOL_CALL_LIMITS,
             )
             tracked.session = Session(api, owns_client=True)
         return tracked.session
@@ -324,8 +326,16 @@ class MCPApplication:
             )
             return
         if not self.sessions.owned_by(session_id, owner):
-            # Another token's session, or none: the SDK answers 404, and nothing here moves.
-            await self.manager.handle_request(scope, receive, send)
+            # Another token's session, or one that ended: nothing here moves, and the answer
+            # is the SDK's 404 (the same for both), saying what to do.
+            await _jsonrpc_error(
+                send,
+                404,
+                "Session not found: this MCP session does not exist here (it was deleted, "
+                f"idle for over {self.sessions.idle_seconds:g} s, or the server restarted). "
+                "Connect again for a new session; tasks the old one held return to the board "
+                "when their leases run out.",
+            )
             return
         status: list[int] = []
 
@@ -347,10 +357,26 @@ class MCPApplication:
         self, scope: Scope, headers: dict[str, str], send: Any
     ) -> tuple[AuthenticatedUser, str] | None:
         """The request's token, as the SDK's user and as it was sent; or None after
-        answering 401, 429 or 503."""
+        answering 401, 429 or 503.
+
+        A token the API's cache (TASKBOARD_TOKEN_CACHE_SECONDS) vouches for costs no query;
+        another is looked up as the stream looks it up, and then cached. When the database
+        is away, a request for a session that this token opened goes on: its tool calls
+        then meet the outage as tool errors (``unavailable: ...``), which a model can read.
+        """
         client = scope.get("client")
         address = str(client[0]) if client else ""
         authorization = headers.get("authorization", "")
+        keyword, _, token = authorization.partition(" ")
+        token = token.strip()
+        digest = tokens_digest(token)
+        # The SDK binds a session to this principal: the token, not just the user, so that
+        # a rotated token cannot carry on a session the old one opened.
+        principal = AuthenticatedUser(
+            AccessToken(token=digest, client_id=f"token:{digest}", scopes=[])
+        )
+        if keyword.lower() in {"bearer", "token"} and cached_user(digest) is not None:
+            return principal, token
         try:
             # Only a token: a browser's session cookie is no credential for an agent's tools.
             authorized = await sync_to_async(authorize, thread_sensitive=False)(
@@ -360,8 +386,17 @@ class MCPApplication:
             await send_response(send, throttle.throttled(exc.seconds))
             return None
         except DatabaseError as exc:
+            session_id = headers.get(MCP_SESSION_ID_HEADER)
+            if session_id is not None and self.sessions.owned_by(session_id, digest):
+                return principal, token
             logger.warning("mcp: database unavailable: %s", exc)
-            await send_response(send, database_unavailable())
+            await _jsonrpc_error(
+                send,
+                503,
+                "unavailable: The database is unavailable. Try again shortly.",
+                code=INTERNAL_ERROR,
+                headers={"Retry-After": "5"},
+            )
             return None
         if authorized is None:
             response = error_response(
@@ -371,14 +406,8 @@ class MCPApplication:
             await send_response(send, response)
             return None
         user, _ = authorized
-        token = authorization.partition(" ")[2].strip()
-        digest = tokens_digest(token)
-        # The SDK binds a session to this principal: the token, not just the user, so that
-        # a rotated token cannot carry on a session the old one opened.
-        principal = AccessToken(
-            token=digest, client_id=f"token:{digest}", scopes=[], subject=str(user.pk)
-        )
-        return AuthenticatedUser(principal), token
+        remember(digest, user)
+        return principal, token
 
 
 def _one_process_only() -> HttpResponse:
@@ -392,15 +421,23 @@ def _one_process_only() -> HttpResponse:
 
 
 async def _jsonrpc_error(
-    send: Any, status: int, message: str, *, code: int = INVALID_REQUEST, data: Any = None
+    send: Any,
+    status: int,
+    message: str,
+    *,
+    code: int = INVALID_REQUEST,
+    data: Any = None,
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """Answer as the SDK answers a request it refuses: a JSON-RPC error without an id."""
+    """Answer as the SDK answers a request it refuses: a JSON-RPC error without an id (its
+    client passes the message on to the caller)."""
     error: dict[str, Any] = {"code": code, "message": message}
     if data is not None:
         error["data"] = data
-    await send_response(
-        send, JsonResponse({"jsonrpc": "2.0", "id": None, "error": error}, status=status)
-    )
+    response = JsonResponse({"jsonrpc": "2.0", "id": None, "error": error}, status=status)
+    for name, value in (headers or {}).items():
+        response[name] = value
+    await send_response(send, response)
 
 
 def _capture_session(send: Any, sessions: Sessions, owner: str) -> Any:

@@ -132,10 +132,15 @@ class Session:
             if not self.closed:
                 self.leases[task.id] = lease
                 return
-        # The session ended while the claim was on its way: nobody will end this task.
-        lease.stop()
+        # The session ended while the claim was on its way (its host gone mid-wait): nobody
+        # will ever see this task, so give it back at once, without a strike, rather than
+        # let its lease run out and count one against it.
+        try:
+            lease.release()
+        except TaskboardError:
+            lease.stop()  # it runs out instead
         raise ToolError(
-            LOST.format(task_id=task.id, detail="This session ended; the lease runs out.")
+            LOST.format(task_id=task.id, detail="This session ended; the task was released.")
         )
 
     def lease(self, task_id: int) -> Lease:
@@ -227,6 +232,12 @@ async def _call(
 
     return await anyio.to_thread.run_sync(run, limiter=limiter)
 
+
+# A tool call waits at most about 25 s for the board (plus a claim's own wait): 10 s a
+# request, one retry of those that may be retried. A model's host has timeouts of its own
+# (often 60 s), and an answer it never sees helps nobody; the client's defaults (30 s,
+# four retries) are for agents that can wait minutes.
+TOOL_CALL_LIMITS: dict[str, Any] = {"timeout": 10.0, "retries": 1, "max_backoff": 5.0}
 
 SessionOf = Callable[[Context], Session]
 
@@ -412,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no API token: pass --token or set TASKBOARD_TOKEN")
     # stdout is the protocol; stderr is the host's log: one line per HTTP call is noise.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    with Client(args.url, args.token) as client:
+    with Client(args.url, args.token, **TOOL_CALL_LIMITS) as client:
         session = Session(client)
         try:
             build_server(lambda ctx: session).run()

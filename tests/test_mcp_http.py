@@ -190,3 +190,84 @@ def test_mcp_is_refused_clearly_by_a_server_of_several_processes(
     response = httpx.post(f"{server.url}/mcp/", headers=headers, json={})
     assert response.status_code == 503
     assert "--workers 1" in response.json()["detail"]
+
+
+def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from board import mcp_http
+
+    lookups: list[str] = []
+    real = mcp_http.authorize
+
+    def counted(headers: dict[str, str], address: str = "") -> Any:
+        lookups.append(address)
+        return real(headers, address)
+
+    monkeypatch.setattr(mcp_http, "authorize", counted)
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+    for n in range(5):
+        call(url, alice, session_id, "create_task", title=f"t{n}", queue="q")
+
+    # Seven requests (initialize, initialized, five tool calls), one lookup (and so one
+    # database connection) among them.
+    assert len(lookups) == 1
+
+
+def test_when_the_database_is_away_a_session_goes_on_and_a_new_one_gets_a_json_rpc_503(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    from django.db import OperationalError
+
+    from board import mcp_http
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0  # every request looks its token up
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+
+    def away(headers: dict[str, str], address: str = "") -> Any:
+        raise OperationalError("the database is away")
+
+    monkeypatch.setattr(mcp_http, "authorize", away)
+    # The session's request goes on: its tool call meets the board as it is (here, up).
+    status, body = call(url, alice, session_id, "list_tasks")
+    assert status == 200 and not body["result"].get("isError"), body
+
+    headers = {"Authorization": f"Bearer {alice}", "Accept": ACCEPT}
+    params = {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "t"}}
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+    refused = httpx.post(url, headers=headers, json=initialize)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+    assert refused.json()["error"]["message"].startswith("unavailable: ")
+
+
+def test_a_session_that_is_gone_is_answered_with_what_to_do(server: LiveServer) -> None:
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    status, body = call(url, alice, uuid.uuid4().hex, "list_tasks")
+    assert status == 404
+    assert "Connect again" in body["error"]["message"]
+
+
+def test_a_claim_that_arrives_after_its_session_ended_is_released_without_a_strike(
+    server: LiveServer,
+) -> None:
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from taskboard.client import Client
+    from taskboard.mcp_server import Session
+
+    alice = token_of("alice")
+    with Client(server.url, alice) as client:
+        task = client.create("late", queue="q")
+        session = Session(client)
+        session.close()  # the host went away while its claim waited
+        (claimed,) = client.claim(queues=["q"])
+        with pytest.raises(ToolError, match="released"):
+            session.hold(claimed)
+
+    row = Task.objects.get(pk=task.id)
+    assert row.status == "pending" and row.failure_count == 0

@@ -44,26 +44,45 @@ class BearerTokenAuthentication(BaseAuthentication):
         deactivated user is refused at most that many seconds later. The cache is keyed by
         the token's digest, so the process keeps no plain token either.
         """
-        ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
-        now = time.monotonic()
         digest = tokens.digest(key)
-        cached = _token_cache.get(digest)
-        if ttl > 0 and cached is not None and cached[2] > now:
-            return cached[0], cached[1]
+        cached = _cached(digest)
+        if cached is not None:
+            return cached
         found = tokens.user_for(key)
         if found is None:
             raise exceptions.AuthenticationFailed("Invalid token.")
         user, token = found
         if not user.is_active:
             raise exceptions.AuthenticationFailed("User inactive or deleted.")
-        if ttl > 0:
-            if len(_token_cache) >= _TOKEN_CACHE_SIZE:
-                _token_cache.clear()
-            _token_cache[digest] = (user, token, now + ttl)
+        remember(digest, user, token)
         return user, token
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="taskboard"'
+
+
+def _cached(digest: str) -> tuple[Any, Any] | None:
+    cached = _token_cache.get(digest)
+    ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
+    if ttl > 0 and cached is not None and cached[2] > time.monotonic():
+        return cached[0], cached[1]
+    return None
+
+
+def cached_user(digest: str) -> Any:
+    """The active user of the token with this digest, if this process's cache still
+    vouches for it (no query); else None. For /mcp/ (board.mcp_http), as for the API."""
+    cached = _cached(digest)
+    return cached[0] if cached is not None else None
+
+
+def remember(digest: str, user: Any, token: Any = None) -> None:
+    """Cache a successful lookup of the token with this digest (an active user)."""
+    ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
+    if ttl > 0:
+        if len(_token_cache) >= _TOKEN_CACHE_SIZE:
+            _token_cache.clear()
+        _token_cache[digest] = (user, token, time.monotonic() + ttl)
 
 
 _TOKEN_CACHE_SIZE = 10_000
