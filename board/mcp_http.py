@@ -121,7 +121,7 @@ class InProcess(httpx.BaseTransport):
 
     async def _send(self, request: httpx.Request) -> tuple[int, httpx.Headers, bytes]:
         response = await self._asgi.handle_async_request(request)
-        content = b"".join([chunk async for chunk in response.stream])  # type: ignore[union-attr]
+        content = await response.aread()
         return response.status_code, response.headers, content
 
 
