@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -75,29 +76,46 @@ class StreamEvent:
 
 
 def _stream_event(row: dict[str, Any]) -> StreamEvent:
-    from board.api.serializers import EventSerializer, render
-    from board.models import TaskEvent
+    """Build one event of the stream from a ``stream_after`` row: the Event, and in its
+    ``task`` the task as it is after the event (None when a later event of the task has
+    committed, which carries it instead)."""
+    from board.api.serializers import EventSerializer, TaskSerializer, render
+    from board.models import Task, TaskEvent
 
     event = TaskEvent(
-        id=row["id"],
-        task_id=row["task_id"],
-        type=row["type"],
-        status=row["status"],
+        id=row["event_id"],
+        task_id=row["id"],
+        type=row["event_type"],
+        status=row["event_status"],
         actor=row["actor"],
-        payload=row["payload"],
-        created_at=row["created_at"],
+        payload=row["event_payload"],
+        created_at=row["event_created_at"],
     )
-    text = json.dumps(render(EventSerializer, event), separators=(",", ":"))
+    data = render(EventSerializer, event)
+    # The relay's own connection decodes jsonb itself: the values go to the model as read.
+    columns, attnames = _task_fields()
+    task = Task.from_db(None, attnames, [row[column] for column in columns])
+    data["task"] = render(TaskSerializer, task) if row["task_is_current"] else None
+    text = json.dumps(data, separators=(",", ":"))
     return StreamEvent(
-        cursor=Cursor(int(row["txid"]), row["id"]),
-        task_id=row["task_id"],
-        type=row["type"],
-        status=row["status"],
+        cursor=Cursor(int(row["txid"]), row["event_id"]),
+        task_id=row["id"],
+        type=row["event_type"],
+        status=row["event_status"],
         queue=row["queue"],
         run_after=row["run_after"],
         leased_until=row["leased_until"],
-        sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["id"])).encode(),
+        sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["event_id"])).encode(),
     )
+
+
+@functools.cache
+def _task_fields() -> tuple[list[str], list[str]]:
+    """The tasks table's columns and the Task model's attribute names, in one order."""
+    from board.models import Task
+
+    fields = Task._meta.concrete_fields
+    return [str(f.column) for f in fields], [f.attname for f in fields]
 
 
 class Subscriber:

@@ -183,6 +183,26 @@ def test_an_event_the_board_already_counts_is_not_counted_again_when_the_stream_
     expect(count(page, "pending")).to_have_text("4")
 
 
+def test_a_task_created_elsewhere_appears_on_the_board_as_the_server_has_it(
+    server: LiveServer, page: Page, person: Any, agent: Any
+) -> None:
+    """The board draws a new task from the task its "created" event carries, not from the
+    event's summary: a retry time the event does not mention still shows."""
+    log_in(page, person)
+    wait_until_live(page)
+    api = httpx.Client(
+        base_url=f"{server.url}/api/v1",
+        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+    )
+    later = (timezone.now() + timezone.timedelta(hours=1)).isoformat()
+
+    created = api.post("/tasks/", json={"title": "Nightly report", "run_after": later}).json()
+
+    expect(card(page, "pending", created["id"])).to_contain_text("retry after")
+    expect(count(page, "pending")).to_have_text("1")
+    api.close()
+
+
 def test_a_task_the_board_did_not_draw_is_fetched_and_counted_when_it_comes_back(
     page: Page,
     person: Any,

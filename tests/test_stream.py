@@ -539,3 +539,75 @@ def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServ
         Session.objects.all().delete()  # logged out, everywhere
 
         assert ended_within(stream, 5), "the stream outlived its session"
+
+
+def task_as_the_api_shows_it(task_id: int, headers: dict[str, str], server: LiveServer) -> Any:
+    task = httpx.get(f"{server.url}/api/v1/tasks/{task_id}/", headers=headers).json()
+    task.pop("events", None)
+    task.pop("links", None)
+    return task
+
+
+def test_each_streamed_event_carries_the_task_as_it_is_after_the_event(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    with StreamCollector(stream_url(server), watcher) as stream:
+        task = transitions.create(actor=agent, title="follow me", payload={"n": 1})
+        created = stream.get(timeout=5)["json"]["task"]
+        [claim] = transitions.claim(actor=agent)
+        claimed = stream.get(timeout=5)["json"]["task"]
+        transitions.heartbeat(
+            task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"step": 2}
+        )
+        beat = stream.get(timeout=5)["json"]["task"]
+        transitions.complete(
+            task_id=task.id, actor=agent, lease_token=claim.lease_token, result={"ok": True}
+        )
+        completed = stream.get(timeout=5)["json"]["task"]
+
+    assert (created["status"], created["title"], created["payload"]) == (
+        "pending",
+        "follow me",
+        {"n": 1},
+    )
+    assert (claimed["status"], claimed["leased_by"]) == ("in_progress", agent.username)
+    assert claimed["attempt_started_at"] is not None
+    assert beat["progress"] == {"step": 2}
+    assert beat["leased_until"] >= claimed["leased_until"]
+    assert (completed["status"], completed["result"], completed["leased_by"]) == (
+        "done",
+        {"ok": True},
+        None,
+    )
+    # The last one is the task exactly as the API shows it.
+    assert completed == task_as_the_api_shows_it(task.id, watcher, server)
+
+
+def test_an_event_whose_task_changed_since_is_sent_without_a_stale_task(
+    watcher: dict[str, str], agent: Any
+) -> None:
+    """Replayed from the database, only each task's latest event can say how the task is
+    after it; the earlier ones carry null, never a task as it was later."""
+    task = transitions.create(actor=agent, title="strike out", max_failures=1)
+    with live_server() as server, StreamCollector(stream_url(server), watcher) as stream:
+        transitions.create(actor=agent, title="marker")
+        last_seen = stream.get(timeout=5)["id"]
+    [claim] = transitions.claim(actor=agent)
+    # At max_failures, one statement records "failed" and then "escalated".
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="boom")
+
+    # A new server: its relay's memory is empty, so the replay reads the database.
+    with (
+        live_server() as server,
+        StreamCollector(stream_url(server), {**watcher, "Last-Event-ID": last_seen}) as stream,
+    ):
+        replayed = [event["json"] for event in stream.take(3)]
+        shown = task_as_the_api_shows_it(task.id, watcher, server)
+
+    assert [(event["type"], event["task"]) for event in replayed[:2]] == [
+        ("claimed", None),
+        ("failed", None),
+    ]
+    assert replayed[2]["type"] == "escalated"
+    assert replayed[2]["task"] == shown
+    assert shown["status"] == "escalated"

@@ -12,6 +12,7 @@ tests/test_fuzz.py holds the server to it with schemathesis and every check.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
@@ -143,12 +144,46 @@ def error_content() -> dict[str, Any]:
     return {"application/json": {"schema": ref("Error")}}
 
 
+EXAMPLE_TASK = {
+    "id": 7,
+    "title": "Resize the images",
+    "description": "",
+    "payload": {},
+    "queue": "default",
+    "priority": 0,
+    "max_failures": 3,
+    "run_after": None,
+    "status": "in_progress",
+    "failure_count": 0,
+    "leased_by": "agent-1",
+    "leased_until": "2026-12-01T12:02:00.000000Z",
+    "lease_expired": False,
+    "result": None,
+    "last_error": None,
+    "created_by": "ops-alice",
+    "created_at": "2026-12-01T11:59:00.000000Z",
+    "updated_at": "2026-12-01T12:00:00.000000Z",
+    "depends_on": [],
+    "blocked": False,
+    "parent_id": None,
+    "progress": None,
+    "max_attempt_seconds": None,
+    "attempt_started_at": "2026-12-01T12:00:00.000000Z",
+    "idempotency_key": None,
+}
+EXAMPLE_EVENT = {
+    "id": 42,
+    "task_id": 7,
+    "type": "claimed",
+    "status": "in_progress",
+    "actor": "agent-1",
+    "payload": {"lease_until": "2026-12-01T12:02:00+00:00"},
+    "created_at": "2026-12-01T12:00:00.000000Z",
+    "task": EXAMPLE_TASK,
+}
 STREAM_EXAMPLE = (
     "retry: 1000\n: connected\n\n"
-    "id: 42\nevent: task_event\n"
-    'data: {"id": 42, "task_id": 7, "type": "claimed", "status": "in_progress", '
-    '"actor": "agent-1", "payload": {"lease_until": "2026-12-01T12:02:00+00:00"}, '
-    '"created_at": "2026-12-01T12:00:00.000000Z"}\n\n'
+    f"id: 42\nevent: task_event\ndata: {json.dumps(EXAMPLE_EVENT)}\n\n"
     ": keep-alive\n\n"
 )
 
@@ -158,7 +193,10 @@ STREAM_PATH = {
         "summary": "Every event, live, as server-sent events",
         "description": (
             "A `text/event-stream` of every event, each sent as `id: <resume id>`, "
-            "`event: task_event`, `data: <Event JSON>`. Reconnect with the last id received "
+            "`event: task_event`, `data: <Event JSON>`, the Event with one more field: `task`, the "
+            "task as it is after the event, a Task (null when a later event of the task has "
+            "already committed: that one, which follows on the stream, carries it). "
+            "Reconnect with the last id received "
             "(the `Last-Event-ID` header, which EventSource sends itself, or `lastEventId`) "
             "to be replayed every event missed, in order, none twice, also across server "
             "restarts. Comment lines keep the connection alive at least every 30 s. "
@@ -194,7 +232,8 @@ STREAM_PATH = {
             "200": {
                 "description": (
                     "The event stream, which does not end: one `task_event` per event, its "
-                    "`data` an Event, its `id` the Event's id, to resume from."
+                    "`data` an Event with its `task` (a Task or null), its `id` the Event's id, to "
+                    "resume from."
                 ),
                 "content": {
                     "text/event-stream": {

@@ -55,9 +55,20 @@ FROM snap, running, hidden;
 
 -- name: stream_after
 -- Up to %(limit)s events after the cursor, up to the upper cursor, below the horizon, in
--- stream order.
-SELECT e.id, e.task_id, e.type, e.status, e.actor, e.payload, e.created_at,
-       e.txid::text AS txid, t.queue, t.run_after, t.leased_until
+-- stream order, each with its task (t.*) and whether the task is still as the event left
+-- it: no later event of the task has committed. Every transition that changes a task
+-- writes an event, and a task's events take their ids while its row is locked, so when
+-- no event of the task has a greater id, the row read here (in the same snapshot) is the
+-- task as it is after this event; otherwise a later event, which the stream also sends,
+-- carries it. The check is one probe of task_events_task_id_idx per event.
+SELECT e.id AS event_id, e.type AS event_type, e.status AS event_status, e.actor,
+       e.payload AS event_payload, e.created_at AS event_created_at,
+       e.txid::text AS txid,
+       NOT EXISTS (
+           SELECT 1 FROM task_events later
+           WHERE later.task_id = e.task_id AND later.id > e.id
+       ) AS task_is_current,
+       t.*
 FROM task_events e
 JOIN tasks t ON t.id = e.task_id
 WHERE (e.txid, e.id) > (%(txid)s::xid8, %(id)s)

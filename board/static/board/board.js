@@ -135,7 +135,6 @@
   /** When the current attempt on ``task`` must end, as an ISO time, or null. */
   function deadlineOf(task) {
     if (task.status !== "in_progress") return null;
-    if (task.attempt_deadline) return task.attempt_deadline;
     if (!task.attempt_started_at || !task.max_attempt_seconds) return null;
     return new Date(Date.parse(task.attempt_started_at) + task.max_attempt_seconds * 1000)
       .toISOString();
@@ -395,107 +394,12 @@
 
   // -- Applying events -------------------------------------------------------------------
 
-  /** The status a task had before ``event``, for a task this page has not seen yet. */
-  function previousStatus(event) {
-    switch (event.type) {
-      case "created":
-        return null;
-      case "claimed":
-        return "pending"; // an expired lease is recorded first, as "expired"
-      case "requeued":
-      case "cancelled":
-        return event.payload?.previous_status ?? null;
-      case "resolved":
-        return "escalated";
-      case "commented":
-      case "unblocked":
-        return event.status; // neither changes the status
-      default:
-        return "in_progress";
-    }
-  }
-
-  /** A task as a "created" event describes it. */
-  function fromCreated(event) {
-    const payload = event.payload || {};
-    return {
-      id: event.task_id, title: payload.title ?? `Task ${event.task_id}`,
-      queue: payload.queue ?? "default", priority: payload.priority ?? 0,
-      description: "", payload: {}, status: "pending", failure_count: 0, max_failures: null,
-      run_after: null, leased_by: null, leased_until: null, lease_expired: false, result: null,
-      last_error: null, created_by: event.actor, created_at: event.created_at,
-      updated_at: event.created_at, depends_on: payload.depends_on ?? [],
-      blocked: payload.blocked ?? false, parent_id: payload.parent_id ?? null, progress: null,
-      max_attempt_seconds: null, attempt_started_at: null,
-    };
-  }
-
-  /** Change ``task`` (the API's Task shape) as ``event`` says. */
+  /** Take the task as the server sent it after ``event``: the page never works out what
+   * a transition does. An event sent without its task (a later event of the task has
+   * committed, and follows with it) changes nothing. */
   function applyToTask(task, event) {
-    const payload = event.payload || {};
-    // A comment changes nothing on the task, not even when it was last updated.
-    if (event.type === "commented") return task;
-    const before = task.status;
-    task.status = event.status;
-    task.updated_at = event.created_at;
-    if (typeof payload.failure_count === "number") task.failure_count = payload.failure_count;
-    if (typeof payload.max_failures === "number") task.max_failures = payload.max_failures;
-    switch (event.type) {
-      case "claimed":
-        task.leased_by = event.actor;
-        task.leased_until = payload.lease_until;
-        task.attempt_started_at = event.created_at;
-        task.attempt_deadline = payload.attempt_deadline ?? null;
-        break;
-      case "heartbeat":
-        task.leased_until = payload.lease_until;
-        // A heartbeat without progress keeps the last one.
-        if (payload.progress !== undefined) task.progress = payload.progress;
-        break;
-      case "completed":
-      case "resolved":
-        task.result = payload.result ?? null;
-        break;
-      case "failed":
-        task.last_error = payload.error ?? task.last_error;
-        if (payload.run_after) task.run_after = payload.run_after;
-        break;
-      case "expired":
-        task.last_error = payload.reason === "attempt_deadline"
-          ? `attempt deadline passed (held by ${payload.previous_holder})`
-          : `lease expired (held by ${payload.previous_holder})`;
-        break;
-      case "unblocked":
-        task.blocked = false;
-        break;
-      case "escalated":
-        // From the holder's escalate; after a failure or an expiry the error stays.
-        if (before === "in_progress" && payload.error === undefined) task.last_error = payload.reason;
-        break;
-      case "requeued":
-        // Whether it is blocked again is the server's to say: see needsRefetch().
-        task.failure_count = 0;
-        task.run_after = null;
-        task.result = null;
-        task.progress = null;
-        break;
-      default:
-        break;
-    }
-    if (task.status !== "in_progress") {
-      task.leased_by = null;
-      task.leased_until = null;
-      task.attempt_started_at = null;
-      task.attempt_deadline = null;
-    }
-    if (task.status !== "pending") task.blocked = false;
+    if (event.task) Object.assign(task, event.task);
     return task;
-  }
-
-  /** Whether the page must read ``task`` again after ``event`` to show it right: a task
-   * with dependencies that went back to pending may be blocked again. */
-  function needsRefetch(task, event) {
-    return event.type === "requeued" && (task.depends_on ?? []).length > 0;
   }
 
   /** A link to a related task with its status: "#12 (in progress)". */
@@ -524,8 +428,7 @@
     follow(event) {
       const info = this.tasks.get(event.task_id);
       if (!info || info.hidden) return false;
-      info.status = event.status;
-      if (event.type === "unblocked" || event.status !== "pending") info.blocked = false;
+      if (event.task) Object.assign(info, { status: event.task.status, blocked: event.task.blocked });
       return true;
     },
     /** Fetch what the page does not know yet of ``ids`` (a 404: another queue's). */
@@ -745,8 +648,9 @@
 
   const results = (data) => (Array.isArray(data) ? data : data?.results ?? []);
 
-  /** Draw the panels from ``STATE``, then fetch them again soon after events. */
-  function glancePanels() {
+  /** Draw the panels from ``STATE``, then fetch them again soon after events; hand each
+   * reading of the queues to ``onQueues``. */
+  function glancePanels(onQueues = () => {}) {
     const queuesBody = document.querySelector("[data-queues]");
     const agentsBody = document.querySelector("[data-agents]");
     if (!queuesBody || !agentsBody) return () => {};
@@ -792,7 +696,10 @@
       timer = null;
       last = Date.now();
       const [queues, agents] = await Promise.all([api("GET", "queues/"), api("GET", "agents/")]);
-      if (queues.ok) drawQueues(results(queues.data));
+      if (queues.ok) {
+        drawQueues(results(queues.data));
+        onQueues(results(queues.data));
+      }
       if (agents.ok) drawAgents(results(agents.data));
       refreshTimes(queuesBody.closest(".glance"));
     }
@@ -821,7 +728,19 @@
     // dependency id -> the ids of the drawn tasks that depend on it, to redraw their
     // "Waiting for" when it changes, and to read them again when it is requeued.
     const dependents = new Map();
-    const glanceSoon = glancePanels();
+    const glanceSoon = glancePanels((queues) => {
+      // The server's counters are the truth; events move the counts in between.
+      const shown = queues.filter((queue) => !STATE.queue || queue.name === STATE.queue);
+      for (const status of Object.keys(counts)) counts[status] = 0;
+      for (const queue of shown) {
+        for (const [status, n] of Object.entries(queue.counts)) {
+          // The board counts blocked tasks as pending, as their status says.
+          const key = status === "blocked" ? "pending" : status;
+          if (key in counts) counts[key] += n;
+        }
+      }
+      refreshCounts();
+    });
 
     function index(task) {
       for (const dep of task.depends_on ?? []) {
@@ -897,20 +816,21 @@
       let task = tasks.get(id);
       if (!task) {
         // A task the page has not drawn: new, or beyond what the columns show.
-        task = event.type === "created" ? fromCreated(event) : await fetchTask(id);
+        task = event.task ? { ...event.task } : await fetchTask(id);
         if (!task) return;
         if (STATE.queue && task.queue !== STATE.queue) {
           foreign.add(id);
           return;
         }
       }
-      const before = statusOf.has(id) ? statusOf.get(id) : previousStatus(event);
+      // Where the page does not know the status before (a task beyond the columns), the
+      // counts wait for the queues panel's next reading, which replaces them.
+      const before = statusOf.has(id) ? statusOf.get(id) : event.type === "created" ? null : undefined;
       applyToTask(task, event);
-      if (needsRefetch(task, event)) Object.assign(task, await fetchTask(id) ?? {});
       Known.set({ id, title: task.title, status: task.status, blocked: task.blocked });
       if (task.blocked) await Known.learn(task.depends_on ?? []);
       index(task);
-      if (before !== task.status) {
+      if (before !== undefined && before !== task.status) {
         if (before) counts[before] -= 1;
         counts[task.status] += 1;
       }
@@ -1115,27 +1035,21 @@
     /** Follow an event on another task: a related one's status, a new child or dependent. */
     async function applyToRelated(event) {
       const payload = event.payload || {};
+      const fresh = event.task;
       if (event.type === "created" && !related.has(event.task_id)) {
+        const created = fresh ?? { ...payload, status: event.status, blocked: payload.blocked ?? false };
         const item = {
-          id: event.task_id, title: payload.title, status: event.status,
-          blocked: payload.blocked ?? false, progress: null,
+          id: event.task_id, title: created.title, status: created.status,
+          blocked: created.blocked, progress: null,
         };
-        if (payload.parent_id === task.id) relations.children.push(remember(item));
-        if ((payload.depends_on ?? []).includes(task.id)) relations.dependents.push(remember(item));
+        if (created.parent_id === task.id) relations.children.push(remember(item));
+        if ((created.depends_on ?? []).includes(task.id)) relations.dependents.push(remember(item));
         fillRelations();
         return;
       }
       const item = related.get(event.task_id);
-      if (!item || item.hidden) return;
-      item.status = event.status;
-      if (event.type === "unblocked" || event.status !== "pending") item.blocked = false;
-      if (event.type === "heartbeat" && payload.progress !== undefined) item.progress = payload.progress;
-      if (event.type === "requeued") {
-        // Whether it is blocked again is the server's to say; a requeue clears progress.
-        item.progress = null;
-        const fresh = await fetchTask(item.id);
-        if (fresh) Object.assign(item, { status: fresh.status, blocked: fresh.blocked });
-      }
+      if (!item || item.hidden || !fresh) return;
+      Object.assign(item, { status: fresh.status, blocked: fresh.blocked, progress: fresh.progress });
       fillRelations();
     }
 
@@ -1188,11 +1102,6 @@
       seen.add(event.id);
       timeline.append(renderEvent(event));
       applyToTask(task, event);
-      if (needsRefetch(task, event)) {
-        // Whether a requeued task is blocked again is not in the event: ask the server.
-        const fresh = await fetchTask(task.id);
-        if (fresh) task.blocked = fresh.blocked;
-      }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
       Leases.check(task, event);
