@@ -25,7 +25,6 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
-from importlib import import_module
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -68,23 +67,31 @@ def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAcc
 
 
 def _user(headers: dict[str, str]) -> Any:
-    """Return the active user of the token or the session in ``headers``, or None."""
-    from django.contrib.auth import get_user
+    """Return the active user of the token or the session in ``headers``, or None.
+
+    The API's own authentication: DRF's authenticators (the token, with its per-process
+    cache, then the session), on a request that Django's session and authentication
+    middleware have prepared as they do for every page and API call.
+    """
+    from django.contrib.auth.middleware import AuthenticationMiddleware
+    from django.contrib.sessions.middleware import SessionMiddleware
     from django.http import HttpRequest
+    from django.http.cookie import parse_cookie
+    from rest_framework.exceptions import AuthenticationFailed
+    from rest_framework.request import Request
+    from rest_framework.views import APIView
 
-    from access import tokens
-
-    keyword, _, key = headers.get("authorization", "").partition(" ")
-    if keyword.lower() in {"bearer", "token"}:
-        found = tokens.user_for(key.strip())
-        return found[0] if found and found[0].is_active else None
-    cookies = SimpleCookie(headers.get("cookie", ""))
-    morsel = cookies.get(settings.SESSION_COOKIE_NAME)
-    if morsel is None:
-        return None
     request = HttpRequest()
-    request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
-    user = get_user(request)
+    request.method = "GET"
+    request.META = {"HTTP_AUTHORIZATION": headers.get("authorization", "")}
+    request.COOKIES = parse_cookie(headers.get("cookie", ""))
+    for middleware in (SessionMiddleware, AuthenticationMiddleware):
+        middleware(lambda request: None).process_request(request)  # type: ignore[arg-type]
+    authenticators = APIView().get_authenticators()  # the API's, as every view has them
+    try:
+        user = Request(request, authenticators=authenticators).user
+    except AuthenticationFailed:
+        return None
     return user if user.is_authenticated else None
 
 
