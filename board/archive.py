@@ -162,6 +162,8 @@ def archive(*, before: date, to: Path, force: bool = False, today: date | None =
     boundary = check_boundary(before, today=today)
     if to.exists() and not force:
         raise ArchiveRefused(f"{to} exists: give another file, or --force to replace it.")
+    if not transitions.event_partitions_supported():
+        raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
     transitions.split_default_event_partition(before=boundary)
     months = _months_before(boundary)
 

@@ -115,7 +115,12 @@ def test_the_migration_keeps_every_event_its_id_and_the_id_sequence(agent: Any) 
 
 
 @pytest.mark.django_db
-def test_migrate_has_made_this_month_and_the_next_three() -> None:
+def test_every_migrate_makes_this_month_and_the_next_three() -> None:
+    ahead = partition_of(month_start(-3))
+    sql(f"ALTER TABLE task_events DETACH PARTITION {ahead}; DROP TABLE {ahead}")
+
+    call_command("migrate", verbosity=0)
+
     assert {partition_of(month_start(-n)) for n in range(4)} <= partitions()
 
 
@@ -321,6 +326,21 @@ def test_archive_refuses_an_existing_file_unless_forced(
 
     call_command("archive", "--before", before, "--to", str(target), "--force")
     assert [line["id"] for line in read_lines(target)] == history["archived"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_archive_refuses_a_database_before_the_partitioned_log(tmp_path: Path) -> None:
+    MigrationExecutor(connection).migrate([BEFORE])
+    try:
+        with pytest.raises(CommandError, match="run `taskboard migrate`"):
+            call_command(
+                "archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a")
+            )
+    finally:
+        MigrationExecutor(connection).migrate(
+            MigrationExecutor(connection).loader.graph.leaf_nodes()
+        )
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.django_db

@@ -43,7 +43,8 @@ class Command(BaseCommand):
             raise CommandError(f"Cannot write the archive: {exc}") from exc
         for month in done.months:
             self.stdout.write(
-                f"{month.month:%Y-%m}: {month.events:,} events (sha256 {month.sha256})"
+                f"{month.month:%Y-%m}: {month.events:,} event{'' if month.events == 1 else 's'} "
+                f"(sha256 {month.sha256})"
             )
         self.stdout.write(
             f"Archived {done.events:,} events of {len(done.months)} months to {done.path}; "
