@@ -390,3 +390,60 @@ def test_the_stream_and_the_events_cursor_carry_on_after_an_archive(
         "commented",
         "commented",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_agents_keep_working_while_an_archive_runs(tmp_path: Path, agent: Any) -> None:
+    import threading
+
+    from django.db import connections
+
+    task = transitions.create(actor=agent, title="old history")
+    sql("SET CONSTRAINTS ALL IMMEDIATE")
+    sql(
+        "INSERT INTO task_events (task_id, type, status, actor, payload, created_at) "
+        "SELECT %s, 'commented', 'pending', 'agent-smith', '{}', %s + n * interval '1 minute' "
+        "FROM generate_series(1, 5000) AS n",
+        [task.pk, month_start(3)],
+    )
+    old_ids = [
+        row[0]
+        for row in sql(
+            "SELECT id FROM task_events WHERE created_at < %s ORDER BY id", [month_start(1)]
+        )
+    ]
+    stop, failures, cycles = threading.Event(), [], []
+
+    def work() -> None:
+        try:
+            while not stop.is_set():
+                made = transitions.create(actor=agent, title="now")
+                [claim] = transitions.claim(actor=agent)
+                transitions.complete(
+                    task_id=claim.task.pk, actor=agent, lease_token=claim.lease_token
+                )
+                cycles.append(made.pk)
+        except Exception as exc:
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    workers = [threading.Thread(target=work) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        call_command(
+            "archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a")
+        )
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+
+    assert failures == [], [str(f) for f in failures]
+    assert len(cycles) > 0
+    assert [line["id"] for line in read_lines(tmp_path / "a")] == old_ids
+    # Every cycle's created, claimed and completed events (a claim may take another's task).
+    assert TaskEvent.objects.filter(id__gt=old_ids[-1]).count() == 3 * len(cycles)
+    assert not TaskEvent.objects.filter(created_at__lt=month_start(1)).exists()

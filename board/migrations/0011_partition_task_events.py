@@ -25,6 +25,15 @@ migrate (about the time of one INSERT ... SELECT of the whole table).
 from django.db import migrations
 
 FUNCTIONS = """
+-- Locks. Making, detaching or dropping a partition takes task_events' ACCESS EXCLUSIVE lock
+-- and, for the partitions' foreign key to tasks, a SHARE ROW EXCLUSIVE (make, detach) or
+-- ACCESS EXCLUSIVE (drop) lock on tasks, while transitions lock tasks and task_events in
+-- the other order, or in one statement. Taken as they come, the two orders deadlock (a
+-- test with agents working during an archive did). So these functions take every lock
+-- they will need first, tasks then task_events, before any slow step, and wait at most
+-- lock_timeout = 200 ms for each: shorter than deadlock_timeout (1 s by default), so in a
+-- deadlock it is always this side that gives up (with lock_not_available, which the
+-- callers retry), never a transition.
 -- The bounds of the UTC month that holds p_at, and its partition's name.
 CREATE FUNCTION task_events_month(p_at timestamptz, OUT lower_bound timestamptz,
                                   OUT upper_bound timestamptz, OUT partition_name text)
@@ -46,7 +55,7 @@ $$;
 -- lock; CREATE TABLE ... PARTITION OF and DETACH take task_events' ACCESS EXCLUSIVE lock,
 -- so inserts wait for this transaction (milliseconds when the default is empty).
 CREATE FUNCTION task_events_ensure_partition(p_at timestamptz) RETURNS text
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '200ms' AS $$
 DECLARE
     month record;
     held record;
@@ -68,6 +77,10 @@ BEGIN
         ) INTO default_holds_month;
     END IF;
     IF default_holds_month THEN
+        -- The old default is dropped below, which drops its foreign key: ACCESS EXCLUSIVE
+        -- on tasks. (LOCK TABLE task_events also locks every partition.)
+        LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE task_events IN ACCESS EXCLUSIVE MODE;
         ALTER TABLE task_events DETACH PARTITION task_events_default;
         ALTER TABLE task_events_default RENAME TO task_events_default_emptied;
         FOR held IN
@@ -102,11 +115,13 @@ $$;
 -- statement triggers, and a TRUNCATE aimed at a partition fires only the partition's.
 CREATE FUNCTION task_events_create_partition(p_name text, p_lower timestamptz,
                                              p_upper timestamptz) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '200ms' AS $$
 BEGIN
     IF to_regclass(p_name) IS NOT NULL THEN
         RETURN;
     END IF;
+    LOCK TABLE tasks IN SHARE ROW EXCLUSIVE MODE;  -- for the new partition's foreign key
+    LOCK TABLE ONLY task_events IN ACCESS EXCLUSIVE MODE;
     IF p_lower IS NULL THEN
         EXECUTE format('CREATE TABLE %I PARTITION OF task_events DEFAULT', p_name);
     ELSE
@@ -130,7 +145,7 @@ $$;
 -- in the month between the check and the drop. Return the number of events dropped.
 CREATE FUNCTION task_events_drop_partition(p_at timestamptz, p_count bigint,
                                            p_id_sum numeric) RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '200ms' AS $$
 DECLARE
     month record;
     found_count bigint;
@@ -141,6 +156,9 @@ BEGIN
         RAISE EXCEPTION 'task_events has no partition %', month.partition_name
             USING ERRCODE = 'undefined_table';
     END IF;
+    -- Dropping the partition drops its foreign key: ACCESS EXCLUSIVE on tasks.
+    LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE;
+    LOCK TABLE task_events IN ACCESS EXCLUSIVE MODE;
     EXECUTE format('ALTER TABLE task_events DETACH PARTITION %I', month.partition_name);
     EXECUTE format('SELECT count(*), coalesce(sum(id), 0) FROM %I', month.partition_name)
         INTO found_count, found_sum;
@@ -214,7 +232,12 @@ CREATE TEMPORARY TABLE task_events_sequence ON COMMIT DROP AS
     SELECT last_value, is_called FROM task_events_id_seq;
 """
 
+# The whole migration holds both tables; taken first, tasks then task_events (the order of a
+# transition's statement), so that a transition waits instead of deadlocking with it.
+LOCK_BOTH = "LOCK TABLE tasks, task_events IN ACCESS EXCLUSIVE MODE;"
+
 PARTITION = f"""
+{LOCK_BOTH}
 {SET_ASIDE}
 ALTER SEQUENCE task_events_id_seq RENAME TO task_events_old_id_seq;
 
@@ -257,6 +280,7 @@ DROP TABLE task_events_old;
 # Back to one table: the same columns with an identity column again, at the sequence's
 # position. The partitions' TRUNCATE triggers go with them.
 UNPARTITION = f"""
+{LOCK_BOTH}
 {SET_ASIDE}
 ALTER TABLE task_events_old ALTER COLUMN id DROP DEFAULT;
 DROP SEQUENCE task_events_id_seq;
