@@ -344,6 +344,28 @@ def test_archive_refuses_a_database_before_the_partitioned_log(tmp_path: Path) -
 
 
 @pytest.mark.django_db
+def test_a_file_that_does_not_read_back_as_written_drops_nothing(
+    history: dict[str, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from board import archive
+
+    read_back = archive._read_back
+
+    def lose_the_last_line(path: Path, *, gzipped: bool) -> dict[Any, archive.Tally]:
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+        return read_back(path, gzipped=gzipped)
+
+    monkeypatch.setattr(archive, "_read_back", lose_the_last_line)
+    target = tmp_path / "a.jsonl"
+
+    with pytest.raises(CommandError, match="does not match the database"):
+        call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(target))
+
+    assert not target.exists()
+    assert TaskEvent.objects.count() == len(history["archived"]) + len(history["kept"])
+
+
+@pytest.mark.django_db
 def test_a_partition_that_does_not_hold_what_the_file_holds_is_not_dropped(
     history: dict[str, list[int]],
 ) -> None:

@@ -47,6 +47,7 @@ class Command(BaseCommand):
                 f"(sha256 {month.sha256})"
             )
         self.stdout.write(
-            f"Archived {done.events:,} events of {len(done.months)} months to {done.path}; "
+            f"Archived {done.events:,} events of {len(done.months)} "
+            f"month{'' if len(done.months) == 1 else 's'} to {done.path}; "
             "those months are no longer in the database."
         )
