@@ -114,8 +114,15 @@ class EventLogIsAppendOnly(BoardError):
     code = "append_only"
 
 
+class ArchiveMismatch(BoardError):
+    """A partition of task_events does not hold what the archive file holds."""
+
+    code = "archive_mismatch"
+
+
 # Names given by the migrations to the constraints and the trigger's error.
 APPEND_ONLY_CONSTRAINT = "task_events_append_only"
+ARCHIVE_VERIFIED_CONSTRAINT = "task_events_archive_verified"
 
 
 @contextmanager
@@ -124,6 +131,9 @@ def translated_database_errors() -> Iterator[None]:
     try:
         yield
     except DataError as exc:
+        diag = getattr(exc.__cause__, "diag", None)
+        if getattr(diag, "constraint_name", None) == ARCHIVE_VERIFIED_CONSTRAINT:
+            raise ArchiveMismatch(str(exc.__cause__).strip()) from exc
         # A value the column cannot hold: text longer than its limit, a number out of range.
         raise InvalidTask(str(exc.__cause__ or exc).strip()) from exc
     except (IntegrityError, InternalError) as exc:

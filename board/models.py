@@ -272,6 +272,9 @@ class TaskDependency(models.Model):
 
 class TaskEvent(models.Model):
     # Ids come from a sequence, so they increase in insertion order (not commit order).
+    # The table is partitioned by month of created_at (migration 0011): the database's
+    # primary key is (id, created_at), as PostgreSQL requires of a partitioned table, and id
+    # alone stays unique because only the one sequence hands ids out (board.archive).
     id = models.BigAutoField(primary_key=True)
     # Indexed together with id below (the per-task timeline), not on its own.
     task = models.ForeignKey(Task, on_delete=models.PROTECT, related_name="events", db_index=False)

@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import random
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import psycopg
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
-from django.db import connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 from django.db.models import JSONField, Model
 from psycopg.types.json import Jsonb
 
@@ -51,8 +55,11 @@ from board.exceptions import (
 from board.models import QueueState, Task, TaskEvent, TaskStatus
 from board.sql import QUERIES
 
+logger = logging.getLogger(__name__)
+
 Actor = AbstractBaseUser | AnonymousUser | str
 M = TypeVar("M", bound=Model)
+T = TypeVar("T")
 
 _FIELDS = {str(f.column): f for f in Task._meta.concrete_fields}
 
@@ -79,6 +86,11 @@ def _json(value: Any) -> Jsonb | None:
 
 def _rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the named statement and return its rows as dicts."""
+    _ensure_this_months_event_partitions()
+    return _query(name, params)
+
+
+def _query(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     with translated_database_errors(), connection.cursor() as cursor:
         cursor.execute(QUERIES[name], params)
         columns = [col.name for col in cursor.description]
@@ -416,3 +428,118 @@ def pause_queue(*, queue: str, actor: Actor, note: str | None = None) -> QueueSt
 def resume_queue(*, queue: str, actor: Actor, note: str | None = None) -> QueueState:
     """Let claims take ``queue``'s tasks again, and wake the claims waiting for them."""
     return _set_paused(queue, actor, note, False)
+
+
+# --- the event log's partitions (migration 0011) ---------------------------------------------
+
+# The UTC month (year, month) for which this process made sure of its event partitions, and
+# when it may try again after a failure.
+_event_partitions_month: tuple[int, int] | None = None
+_event_partitions_retry_at = 0.0
+PARTITION_RETRY_SECONDS = 10.0
+
+
+def _month_start(at: datetime, months_later: int = 0) -> datetime:
+    index = at.astimezone(UTC).year * 12 + at.astimezone(UTC).month - 1 + months_later
+    return datetime(index // 12, index % 12 + 1, 1, tzinfo=UTC)
+
+
+def _ensure_this_months_event_partitions() -> None:
+    """Make sure, at most once per process and month, that the month's partition of
+    task_events and the next month's exist, before a transition writes events.
+
+    The next month's too, so that at the turn of the month the partition is there already,
+    whichever clock (this process's or the database's) turns first. Should this fail (its
+    locks wait at most 200 ms: see migration 0011), the transition goes on, its events land
+    in the DEFAULT partition if the month has none, and a transition tries again 10 s later.
+    """
+    global _event_partitions_month, _event_partitions_retry_at
+    now = datetime.now(UTC)
+    if _event_partitions_month == (now.year, now.month):
+        return
+    if time.monotonic() < _event_partitions_retry_at:
+        return
+    try:
+        ensure_event_partitions(at=now, months_ahead=1, attempts=1)
+    except DatabaseError as exc:
+        logger.warning("could not create the event log's partitions for %s: %s", now, exc)
+        _event_partitions_retry_at = time.monotonic() + PARTITION_RETRY_SECONDS
+        return
+    _event_partitions_month = (now.year, now.month)
+
+
+def _retrying_lock_timeouts(work: Callable[[], T], attempts: int) -> T:
+    """Run ``work`` (one transaction), again after a short, growing pause each time the
+    partition functions gave up waiting for a lock (lock_not_available), up to ``attempts``
+    times in all; never inside a caller's transaction, which a retry could not repeat."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return work()
+        except OperationalError as exc:
+            gave_up = isinstance(exc.__cause__, psycopg.errors.LockNotAvailable)
+            if not gave_up or attempt == attempts or connection.in_atomic_block:
+                raise
+            time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable")
+
+
+def event_partitions_supported() -> bool:
+    """Return whether task_events is partitioned (the database has migration 0011)."""
+    return bool(_query("event_partitions_supported", {})[0]["supported"])
+
+
+def ensure_event_partitions(
+    *, at: datetime | None = None, months_ahead: int = 1, attempts: int = 20
+) -> list[str]:
+    """Create the partitions of task_events for the UTC month of ``at`` (default: now) and
+    the ``months_ahead`` months after it, those that do not exist yet; return their names.
+
+    Runs in a savepoint of the caller's transaction, or in transactions of its own (retried
+    up to ``attempts`` times when a lock was busy); a database before migration 0011 has
+    nothing to create.
+    """
+    start = at or datetime.now(UTC)
+
+    def ensure() -> list[str]:
+        with transaction.atomic():
+            if not event_partitions_supported():
+                return []
+            return [
+                str(
+                    _query("ensure_event_partition", {"at": _month_start(start, n)})[0]["partition"]
+                )
+                for n in range(months_ahead + 1)
+            ]
+
+    return _retrying_lock_timeouts(ensure, attempts)
+
+
+def split_default_event_partition(*, before: datetime) -> list[datetime]:
+    """Move the events dated before ``before`` out of the DEFAULT partition, into their
+    months' partitions (created as needed); return those months."""
+
+    def split() -> list[datetime]:
+        with transaction.atomic():
+            rows = _query("default_event_partition_months", {"before": before})
+            months = [row["month"] for row in rows]
+            for month in months:
+                _query("ensure_event_partition", {"at": month})
+        return months
+
+    return _retrying_lock_timeouts(split, attempts=20)
+
+
+def drop_event_partition(*, month: datetime, count: int, id_sum: int) -> int:
+    """Detach and drop the partition of task_events for ``month``, in one transaction, after
+    checking under its lock that it holds exactly ``count`` events whose ids sum to
+    ``id_sum`` (what the archive file holds); return the number of events dropped.
+
+    Raises :class:`~board.exceptions.ArchiveMismatch` (and drops nothing) when it does not.
+    """
+
+    def drop() -> int:
+        with transaction.atomic():
+            params = {"month": month, "count": count, "id_sum": id_sum}
+            return int(_query("drop_event_partition", params)[0]["dropped"])
+
+    return _retrying_lock_timeouts(drop, attempts=20)

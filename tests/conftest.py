@@ -10,13 +10,36 @@ from rest_framework.test import APIClient
 from tests.factories import StaffFactory, TaskFactory, TokenFactory, UserFactory
 
 
+def _event_log_triggers(action: str) -> str:
+    """A statement that runs ``ALTER TABLE ... {action} TRIGGER USER`` on task_events and
+    on each of its partitions."""
+    return f"""
+        DO $$
+        DECLARE
+            log regclass;
+        BEGIN
+            FOR log IN
+                SELECT 'task_events'::regclass
+                UNION ALL
+                SELECT inhrelid::regclass FROM pg_inherits
+                WHERE inhparent = 'task_events'::regclass
+            LOOP
+                EXECUTE format('ALTER TABLE %s {action} TRIGGER USER', log);
+            END LOOP;
+        END;
+        $$;
+    """
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _flush_past_the_append_only_trigger() -> Iterator[None]:
     """Let transactional tests' teardown empty task_events.
 
     Django's ``flush`` (run after every ``transaction=True`` test) TRUNCATEs all tables,
     which the append-only trigger refuses, as it should in production. Tests only: wrap the
-    flush so the owner disables the table's triggers for that one TRUNCATE.
+    flush so the owner disables the table's triggers for that one TRUNCATE: the parent's
+    (which reaches the row triggers PostgreSQL cloned onto the partitions) and each
+    partition's own TRUNCATE trigger (migration 0011).
     """
     original = connection.ops.sql_flush
 
@@ -24,11 +47,7 @@ def _flush_past_the_append_only_trigger() -> Iterator[None]:
         statements = original(style, tables, **kwargs)
         if "task_events" not in tables:
             return statements
-        return [
-            "ALTER TABLE task_events DISABLE TRIGGER USER;",
-            *statements,
-            "ALTER TABLE task_events ENABLE TRIGGER USER;",
-        ]
+        return [_event_log_triggers("DISABLE"), *statements, _event_log_triggers("ENABLE")]
 
     connection.ops.sql_flush = sql_flush  # type: ignore[method-assign]
     yield

@@ -431,11 +431,18 @@ def test_an_older_installs_eventstream_tables_are_dropped_by_the_migration() -> 
             "INSERT INTO django_migrations (app, name, applied) "
             "VALUES ('django_eventstream', '0001_initial', now())"
         )
-    executor = MigrationExecutor(connection)
-    executor.migrate([after])
+    try:
+        executor = MigrationExecutor(connection)
+        executor.migrate([after])
 
-    tables = connection.introspection.table_names()
-    assert not [table for table in tables if table.startswith("django_eventstream")]
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM django_migrations WHERE app = 'django_eventstream'")
-        assert cursor.fetchone() == (0,)
+        tables = connection.introspection.table_names()
+        assert not [table for table in tables if table.startswith("django_eventstream")]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM django_migrations WHERE app = 'django_eventstream'"
+            )
+            assert cursor.fetchone() == (0,)
+    finally:
+        # The later migrations too, for the tests that follow.
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())

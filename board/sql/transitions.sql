@@ -496,3 +496,26 @@ SELECT status,
            AND (status <> 'in_progress' OR leased_by <> %(actor)s))
            AS deadline_passed
 FROM tasks WHERE id = %(task_id)s;
+
+-- The event log's monthly partitions (migration 0011 defines the functions these call).
+
+-- name: ensure_event_partition
+-- Create the partition of task_events for the UTC month that holds %(at)s, unless it
+-- exists (moving that month's events out of the DEFAULT partition first); return its name.
+SELECT task_events_ensure_partition(%(at)s::timestamptz) AS partition;
+
+-- name: event_partitions_supported
+-- Whether task_events is partitioned yet (false while the database is before 0011).
+SELECT to_regprocedure('task_events_ensure_partition(timestamptz)') IS NOT NULL AS supported;
+
+-- name: default_event_partition_months
+-- The UTC months of the events that the DEFAULT partition holds before %(before)s.
+SELECT DISTINCT (task_events_month(created_at)).lower_bound AS month
+FROM task_events_default
+WHERE created_at < %(before)s::timestamptz
+ORDER BY month;
+
+-- name: drop_event_partition
+-- Detach the partition of the month that holds %(month)s, check that it holds %(count)s
+-- events whose ids sum to %(id_sum)s (the archive file's), and drop it.
+SELECT task_events_drop_partition(%(month)s::timestamptz, %(count)s, %(id_sum)s) AS dropped;

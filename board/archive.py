@@ -1,0 +1,197 @@
+"""Archive whole months of the event log to a file, then drop them (``taskboard archive``).
+
+The one way an event ever leaves the database (contract: "Archiving the log"). For every
+month before the boundary, oldest first:
+
+1. export: every event of the month, in id order, one JSON line each: the event as the
+   API renders it (``EventSerializer``) plus its ``txid``, which a restore needs to put
+   the row back exactly (the stream's cursor is (txid, id)). The file is written as
+   ``FILE.partial`` (gzip when FILE ends in ``.gz``) and renamed to FILE once verified;
+2. verify: the file is read back and, month by month, its events' count, the sum of their
+   ids and a SHA-256 of their lines (in a canonical JSON form) must equal those of the rows
+   read from the database;
+3. drop: each month's partition is detached, checked again under task_events' lock (count
+   and id sum, so an event that arrived in the month after the export stops it), and
+   dropped, in one transaction per month (board.transitions.drop_event_partition). Per
+   month, not all at once: the lock that holds back every new event is held for one
+   month's check and drop at a time, and a failure leaves every month before it archived
+   and dropped, the failing one and those after it in place, and the file complete.
+
+Events that the DEFAULT partition holds before the boundary are first moved into their
+months' partitions. Tasks are not touched: their history in the API starts at the boundary.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from django.db import connection
+from django.db.models.expressions import RawSQL
+
+from board import transitions
+from board.api.serializers import EventSerializer
+from board.models import TaskEvent
+from board.sql import QUERIES
+
+CHUNK = 5_000
+
+
+class ArchiveRefused(Exception):
+    """The archive was not started: a bad boundary or an existing file."""
+
+
+class ArchiveFailed(Exception):
+    """The file did not verify; nothing was dropped."""
+
+
+@dataclass
+class Tally:
+    """What a month's events add up to, from the database or from the file."""
+
+    count: int = 0
+    id_sum: int = 0
+    digest: Any = field(default_factory=hashlib.sha256, compare=False)
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.count += 1
+        self.id_sum += int(line["id"])
+        self.digest.update(_canonical(line))
+
+    @property
+    def sha256(self) -> str:
+        return str(self.digest.hexdigest())
+
+
+@dataclass(frozen=True)
+class MonthArchived:
+    month: date
+    events: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Archived:
+    path: Path
+    months: list[MonthArchived]
+
+    @property
+    def events(self) -> int:
+        return sum(month.events for month in self.months)
+
+
+def _canonical(line: dict[str, Any]) -> bytes:
+    return json.dumps(line, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def check_boundary(before: date, *, today: date | None = None) -> datetime:
+    """Return the boundary as a UTC time, or refuse one that is not the first of a month
+    before the current one (the current month is still being written)."""
+    today = today or datetime.now(UTC).date()
+    if before.day != 1:
+        raise ArchiveRefused(f"--before {before.isoformat()} is not the first day of a month.")
+    if before >= today.replace(day=1):
+        raise ArchiveRefused(
+            f"--before {before.isoformat()} is in the current month or later: only the months "
+            f"before {today.replace(day=1).isoformat()} can be archived."
+        )
+    return datetime(before.year, before.month, 1, tzinfo=UTC)
+
+
+def _months_before(boundary: datetime) -> list[datetime]:
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES["event_partitions"])
+        names = [row[0] for row in cursor.fetchall()]
+    months = [
+        datetime.strptime(name.removeprefix("task_events_"), "%Y_%m").replace(tzinfo=UTC)
+        for name in names
+    ]
+    return [month for month in months if month < boundary]
+
+
+def _next_month(month: datetime) -> datetime:
+    return month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
+
+
+def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
+    """Yield the month's events as archive lines, in id order, a chunk at a time (keyset
+    pagination: no server-side cursor, which a pooler in transaction mode would break).
+    The month's bounds prune every other partition."""
+    events = (
+        TaskEvent.objects.filter(created_at__gte=month, created_at__lt=_next_month(month))
+        .annotate(txid=RawSQL("txid::text", ()))
+        .order_by("id")
+    )
+    after = 0
+    while chunk := list(events.filter(id__gt=after)[:CHUNK]):
+        for event in chunk:
+            yield {**EventSerializer(event).data, "txid": event.txid}
+        after = chunk[-1].pk
+
+
+def _open(path: Path, mode: str, *, gzipped: bool) -> IO[str]:
+    if gzipped:
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return path.open(mode, encoding="utf-8")
+
+
+def _month_of(line: dict[str, Any]) -> date:
+    created = datetime.fromisoformat(line["created_at"]).astimezone(UTC)
+    return date(created.year, created.month, 1)
+
+
+def _read_back(path: Path, *, gzipped: bool) -> dict[date, Tally]:
+    tallies: dict[date, Tally] = {}
+    with _open(path, "r", gzipped=gzipped) as lines:
+        for text in lines:
+            line = json.loads(text)
+            tallies.setdefault(_month_of(line), Tally()).add(line)
+    return tallies
+
+
+def archive(*, before: date, to: Path, force: bool = False, today: date | None = None) -> Archived:
+    """Archive every event dated before ``before`` (the first of a month before the current
+    one) to the file ``to``, verify it, then drop those months' partitions."""
+    boundary = check_boundary(before, today=today)
+    if to.exists() and not force:
+        raise ArchiveRefused(f"{to} exists: give another file, or --force to replace it.")
+    if not transitions.event_partitions_supported():
+        raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
+    transitions.split_default_event_partition(before=boundary)
+    months = _months_before(boundary)
+
+    partial = to.with_name(to.name + ".partial")
+    gzipped = to.name.endswith(".gz")
+    written: dict[date, Tally] = {}
+    with _open(partial, "w", gzipped=gzipped) as out:
+        for month in months:
+            tally = written.setdefault(month.date(), Tally())
+            for line in _events_of(month):
+                out.write(json.dumps(line, separators=(",", ":")) + "\n")
+                tally.add(line)
+
+    read = _read_back(partial, gzipped=gzipped)
+    for first_day, tally in written.items():
+        found = read.get(first_day, Tally())
+        if (found.count, found.id_sum, found.sha256) != (tally.count, tally.id_sum, tally.sha256):
+            raise ArchiveFailed(
+                f"{partial} does not match the database for {first_day:%Y-%m}: "
+                f"{found.count} events read back, {tally.count} written. Nothing was dropped."
+            )
+    if set(read) - set(written):
+        raise ArchiveFailed(f"{partial} holds events of months it should not. Nothing was dropped.")
+    os.replace(partial, to)
+
+    archived = []
+    for month in months:
+        tally = written[month.date()]
+        transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
+        archived.append(MonthArchived(month.date(), tally.count, tally.sha256))
+    return Archived(to, archived)
