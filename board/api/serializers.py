@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.core.validators import RegexValidator
+from django.core.validators import RegexValidator, URLValidator
 from django.utils import timezone
 from rest_framework import serializers
 
@@ -15,10 +15,14 @@ from board.models import (
     MAX_ATTEMPT_SECONDS,
     MAX_DEPENDENCIES,
     QUEUE_PATTERN,
+    Delivery,
+    DeliveryStatus,
     EventType,
     Task,
     TaskEvent,
     TaskStatus,
+    Webhook,
+    WebhookFormat,
 )
 
 # The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
@@ -560,6 +564,105 @@ class TaskPageSerializer(serializers.Serializer[Any]):
 
 class EventPageSerializer(serializers.Serializer[Any]):
     results = EventSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+# http or https, then anything but spaces and control characters.
+WEBHOOK_URL_PATTERN = "^[Hh][Tt][Tt][Pp][Ss]?://[^\\u0000-\\u0020\\u007f]+$"
+
+
+class WebhookCreateSerializer(serializers.Serializer[Any]):
+    url = StrictRegexField(
+        WEBHOOK_URL_PATTERN,
+        max_length=2000,
+        error_messages={"invalid": "Use an http or https URL."},
+        help_text="Where to POST the deliveries: an http or https URL.",
+    )
+    events = serializers.ListField(
+        child=serializers.ChoiceField(choices=EventType.choices),
+        required=False,
+        default=lambda: [EventType.ESCALATED.value],
+        min_length=1,
+        max_length=len(EventType.choices),
+        help_text='The event types to send; default ["escalated"].',
+    )
+    queues = serializers.ListField(
+        child=queue_field(),
+        required=False,
+        allow_null=True,
+        default=None,
+        min_length=1,
+        max_length=100,
+        help_text="Send only events of tasks in these queues; omitted or null: every queue.",
+    )
+    secret = StrictCharField(
+        required=False,
+        min_length=16,
+        max_length=200,
+        help_text="The key of the HMAC-SHA256 signature; omitted: a random one is made.",
+    )
+    format = serializers.ChoiceField(
+        choices=WebhookFormat.choices,
+        required=False,
+        default=WebhookFormat.JSON.value,
+        help_text=(
+            'json: {"event": Event, "task": Task}; slack: a Slack-compatible {"text": ...} '
+            "with a link to the task's admin page."
+        ),
+    )
+
+    def validate_url(self, value: str) -> str:
+        # The pattern (in the schema) says http(s) and no spaces; Django's validator checks
+        # the rest of the URL's shape (a host, a port in range).
+        URLValidator(schemes=["http", "https"], message="Use an http or https URL.")(value)
+        return value
+
+    def validate_events(self, value: list[str]) -> list[str]:
+        return sorted(set(value), key=value.index)
+
+
+class WebhookSerializer(serializers.ModelSerializer[Webhook]):
+    events = serializers.ListField(child=serializers.ChoiceField(choices=EventType.choices))
+    queues = serializers.ListField(child=serializers.CharField(), allow_null=True)
+
+    class Meta:
+        model = Webhook
+        fields = ["id", "url", "events", "queues", "format", "active", "created_by", "created_at"]
+
+
+class WebhookCreatedSerializer(WebhookSerializer):
+    secret = serializers.CharField(help_text="Shown only in this response.")
+
+    class Meta(WebhookSerializer.Meta):
+        fields = [*WebhookSerializer.Meta.fields, "secret"]
+
+
+class DeliverySerializer(serializers.ModelSerializer[Delivery]):
+    status = serializers.ChoiceField(choices=DeliveryStatus.choices)
+
+    class Meta:
+        model = Delivery
+        fields = [
+            "id",
+            "event_id",
+            "task_id",
+            "status",
+            "attempts",
+            "last_status_code",
+            "last_error",
+            "next_attempt_at",
+            "delivered_at",
+            "created_at",
+        ]
+
+
+class WebhookPageSerializer(serializers.Serializer[Any]):
+    results = WebhookSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+class DeliveryPageSerializer(serializers.Serializer[Any]):
+    results = DeliverySerializer(many=True)
     next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
 
 
