@@ -291,7 +291,7 @@ class Dispatcher:
                 await task
         await self._client.aclose()
         with contextlib.suppress(Exception):
-            await self._db(connection.close)
+            await self._db(_close_connection)
         self._executor.shutdown(wait=False)
 
     async def _db(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -343,7 +343,7 @@ class Dispatcher:
                 # delivery falls due (a retry, or another process's lease running out).
                 delay = None if room <= 0 else await self._db(next_due)
                 if not self._in_flight:
-                    await self._db(connection.close)  # idle: hold no connection
+                    await self._db(_close_connection)  # idle: hold no connection
             except DatabaseError as exc:
                 logger.warning("deliveries: database unavailable (%s)", exc)
                 delay = DATABASE_RETRY_SECONDS
@@ -381,6 +381,10 @@ class Dispatcher:
                 "failed for good" if status == DeliveryStatus.FAILED else "will be retried",
                 error,
             )
+
+
+def _close_connection() -> None:
+    connection.close()  # this thread's: looked up here, on the dispatcher's thread
 
 
 def _sync_email_channel() -> None:
