@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 from django.db import transaction
+from django.test import Client
 from rest_framework.test import APIClient
 
 from board import transitions
 from board.models import Delivery, Webhook
+from tests.factories import UserFactory, grant
 from tests.test_api import assert_error, get, post
 
 pytestmark = pytest.mark.django_db
@@ -194,3 +196,97 @@ def test_an_inactive_webhook_gets_no_delivery(make_task: Callable[..., Any], age
     email = transitions.set_email_channel(active=True)
     task = escalate(make_task, agent)
     assert list(Delivery.objects.values_list("webhook_id", "task_id")) == [(email.pk, task.pk)]
+
+
+# -- The admin ---------------------------------------------------------------------------
+
+
+def failed_delivery(staff_api: APIClient, make_task: Callable[..., Any], agent: Any) -> Delivery:
+    add_webhook(staff_api)
+    escalate(make_task, agent)
+    delivery = Delivery.objects.get()
+    [claimed] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    assert claimed.lease_token is not None
+    status = transitions.record_delivery(
+        delivery_id=delivery.pk,
+        lease_token=claimed.lease_token,
+        delivered=False,
+        status_code=500,
+        error="answered 500",
+        retry_in=60,
+        horizon_seconds=1,  # past it at once: failed for good
+    )
+    assert status == "failed"
+    delivery.refresh_from_db()
+    return delivery
+
+
+def test_staff_retry_failed_deliveries_from_the_admin_and_pending_ones_are_skipped(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    failed = failed_delivery(staff_api, make_task, agent)
+    escalate(make_task, agent)
+    pending = Delivery.objects.get(status="pending")
+    client = Client()
+    client.force_login(grant(staff, "board.view_delivery", "board.view_webhook"))
+    page = client.get("/admin/board/delivery/")
+    assert b"answered 500" in page.content and b"Retry the selected failed" in page.content
+
+    response = client.post(
+        "/admin/board/delivery/",
+        {"action": "retry", "_selected_action": [failed.pk, pending.pk]},
+        follow=True,
+    )
+    assert b"Retrying 1 delivery; skipped 1 that had not failed." in response.content
+    failed.refresh_from_db()
+    assert (failed.status, failed.attempts) == ("pending", 0)
+    assert failed.next_attempt_at is not None  # due now (the times tie in one transaction)
+    webhook = client.get(f"/admin/board/webhook/{failed.webhook_id}/change/")
+    assert b"2 pending" in webhook.content and b"0 failed" in webhook.content
+    assert failed.webhook.secret.encode() not in webhook.content
+
+
+def test_the_retry_action_is_for_staff_only(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    failed = failed_delivery(staff_api, make_task, agent)
+    outsider = grant(UserFactory(username="not-staff"), "board.view_delivery")
+    client = Client()
+    client.force_login(outsider)
+    client.post("/admin/board/delivery/", {"action": "retry", "_selected_action": [failed.pk]})
+    failed.refresh_from_db()
+    assert failed.status == "failed"
+
+
+def test_an_outcome_is_recorded_only_under_the_current_lease(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    add_webhook(staff_api)
+    escalate(make_task, agent)
+    [first] = transitions.claim_deliveries(limit=1, lease_seconds=0)  # runs out at once
+    [second] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    assert first.pk == second.pk and first.lease_token != second.lease_token
+    assert first.lease_token is not None and second.lease_token is not None
+    assert transitions.claim_deliveries(limit=1, lease_seconds=30) == []
+    stale = transitions.record_delivery(
+        delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
+    )
+    assert stale is None
+    assert Delivery.objects.get().status == "pending"
+    assert (
+        transitions.record_delivery(
+            delivery_id=second.pk, lease_token=second.lease_token, delivered=True, status_code=204
+        )
+        == "delivered"
+    )
+    assert Delivery.objects.get().attempts == 2
+
+
+def test_delivery_counts_by_result_for_the_metrics(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    from board.deliveries import delivery_counts
+
+    failed_delivery(staff_api, make_task, agent)
+    escalate(make_task, agent)
+    assert delivery_counts() == {"delivered": 0, "retried": 0, "failed": 1, "pending": 1}
