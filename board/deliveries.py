@@ -347,6 +347,9 @@ class Dispatcher:
             except DatabaseError as exc:
                 logger.warning("deliveries: database unavailable (%s)", exc)
                 delay = DATABASE_RETRY_SECONDS
+            except Exception:  # a bug must not stop this process's deliveries for good
+                logger.exception("deliveries: a round of claims failed")
+                delay = DATABASE_RETRY_SECONDS
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), None if delay is None else delay + 0.01)
 
