@@ -254,7 +254,7 @@ async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int |
         )
     except (TimeoutError, httpx.TimeoutException):
         return False, None, f"no answer within {timeout_seconds():g} s"
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # refused, reset, an address httpx cannot use: retried
         return False, None, f"{type(exc).__name__}: {exc}"[:2000]
     if 200 <= response.status_code < 300:
         return True, response.status_code, None

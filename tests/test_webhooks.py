@@ -77,6 +77,8 @@ def test_a_given_secret_events_queues_and_format_are_kept(staff_api: APIClient) 
         ({"url": "ftp://example.com/x"}, "url"),
         ({"url": "not a url"}, "url"),
         ({"url": "http://"}, "url"),
+        ({"url": "http://example.com/a b"}, "url"),
+        ({"url": "http://example.com\n"}, "url"),
         ({}, "url"),
         ({"url": "https://example.com", "events": ["exploded"]}, "events"),
         ({"url": "https://example.com", "events": []}, "events"),
