@@ -200,3 +200,25 @@ def test_escalation_emails_go_to_active_staff_with_an_email_by_default(
             escalate(make_task, agent)
             eventually(lambda: inbox, timeout=20, what="an email")
         assert [m["X-Envelope-To"] for m in inbox] == ["ann@example.com"]
+
+
+def test_a_delivery_made_while_the_relay_was_cut_off_is_sent_when_it_reconnects(
+    board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    from django.db import connection
+
+    from board import relay as relay_module
+
+    [relay] = [r for loop, r in relay_module._relays.items() if not loop.is_closed()]
+    with WebhookReceiver() as receiver:
+        hook = transitions.create_webhook(
+            actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
+        )
+        eventually(lambda: relay.connected.is_set(), what="the relay listening")
+        reconnects = relay.reconnects
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [relay.backend_pid])
+        # Its NOTIFY comes while nobody listens: the reconnect must look for it.
+        escalate(make_task, agent)
+        eventually(lambda: relay.reconnects > reconnects, what="the relay reconnected")
+        eventually(lambda: settled(hook) and receiver.accepted(), timeout=10, what="delivery")

@@ -622,6 +622,8 @@ class WebhookCreateSerializer(serializers.Serializer[Any]):
 
 
 class WebhookSerializer(serializers.ModelSerializer[Webhook]):
+    # As given: an IRI may hold characters that a "uri" format would not admit.
+    url = serializers.CharField()
     events = serializers.ListField(child=serializers.ChoiceField(choices=EventType.choices))
     queues = serializers.ListField(child=serializers.CharField(), allow_null=True)
 
