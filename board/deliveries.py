@@ -342,6 +342,10 @@ class Dispatcher:
                 # Full: an attempt that ends wakes the loop. Otherwise sleep until the next
                 # delivery falls due (a retry, or another process's lease running out).
                 delay = None if room <= 0 else await self._db(next_due)
+                if delay is not None and not claimed:
+                    # Due but not claimed: another process's claim holds it (SKIP LOCKED)
+                    # until it commits. Look again shortly, not at once.
+                    delay = max(delay, 0.1)
                 if not self._in_flight:
                     await self._db(_close_connection)  # idle: hold no connection
             except DatabaseError as exc:

@@ -124,7 +124,7 @@ def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
 
         receiver.then = 200
         assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
-        eventually(lambda: receiver.accepted(), timeout=10, what="the retry was delivered")
+        eventually(lambda: settled(hook), timeout=10, what="the retry was delivered")
         delivery.refresh_from_db()
         assert (delivery.status, delivery.attempts, delivery.last_status_code) == (
             "delivered",
