@@ -6,7 +6,9 @@ is append-only. The event inline, the work graph and the JSON rendering live her
 task admins. Staff set which queues an agent is limited to (board.access) on the user's
 page. A queue's state and its log of pauses and resumes are read-only lists; pausing and
 resuming are actions on the queues, for staff (as in the API), that call
-``board.transitions.pause_queue`` and ``resume_queue``.
+``board.transitions.pause_queue`` and ``resume_queue``. Webhooks are listed with their
+deliveries; staff retry failed deliveries with an action that calls
+``board.transitions.retry_deliveries``.
 """
 
 from __future__ import annotations
@@ -20,17 +22,27 @@ from django.contrib.admin.utils import flatten_fieldsets, unquote
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.utils.html import format_html
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from board import transitions
 from board.access import queue_access
 from board.api.permissions import may_pause_queues
 from board.forms import QueueNoteForm
-from board.models import QueueLimit, QueuePause, QueueState, Task, TaskEvent
+from board.models import (
+    Delivery,
+    DeliveryStatus,
+    QueueLimit,
+    QueuePause,
+    QueueState,
+    Task,
+    TaskEvent,
+    Webhook,
+)
 from board.relations import relations_of
 
 admin.site.site_header = "Taskboard administration"
@@ -345,3 +357,95 @@ class QueuePauseAdmin(ReadOnlyAdmin):
     @admin.display(description="change", ordering="paused")
     def change(self, entry: QueuePause) -> str:
         return "paused" if entry.paused else "resumed"
+
+
+@admin.register(Webhook)
+class WebhookAdmin(ReadOnlyAdmin):
+    """Webhooks (and the escalation emails' row), with their deliveries by status. They
+    are added and removed through the API (``POST webhooks/``), which shows the secret
+    once; the secret is never shown here."""
+
+    list_display = ["id", "__str__", "kind", "format", "event_types", "queue_names", "active"]
+    list_filter = ["kind", "active", "format"]
+    ordering = ["-id"]
+    readonly_fields = (
+        "kind",
+        "url",
+        "format",
+        "event_types",
+        "queue_names",
+        "active",
+        "created_by",
+        "created_at",
+        "delivery_counts",
+    )
+    fields = readonly_fields
+
+    @admin.display(description="events")
+    def event_types(self, webhook: Webhook) -> str:
+        return ", ".join(webhook.events)
+
+    @admin.display(description="queues")
+    def queue_names(self, webhook: Webhook) -> str:
+        return ", ".join(webhook.queues) if webhook.queues else "all"
+
+    @admin.display(description="deliveries")
+    def delivery_counts(self, webhook: Webhook) -> SafeString:
+        counts = dict(webhook.deliveries.values_list("status").annotate(n=Count("id")).order_by())
+        url = reverse("admin:board_delivery_changelist")
+        return format_html_join(
+            ", ",
+            '<a href="{}?webhook__id__exact={}&amp;status__exact={}">{} {}</a>',
+            (
+                (url, webhook.pk, status, counts.get(status, 0), status)
+                for status in DeliveryStatus.values
+            ),
+        )
+
+
+@admin.action(permissions=["retry"], description="Retry the selected failed deliveries")
+def retry(modeladmin: DeliveryAdmin, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
+    selected = list(queryset.values_list("id", flat=True))
+    rearmed = transitions.retry_deliveries(delivery_ids=selected, actor=request.user)
+    text = f"Retrying {rearmed} {'delivery' if rearmed == 1 else 'deliveries'}"
+    if skipped := len(selected) - rearmed:
+        text += f"; skipped {skipped} that had not failed"
+    modeladmin.message_user(request, text + ".", messages.WARNING if skipped else messages.SUCCESS)
+
+
+DELIVERY_COLUMNS: list[Any] = [
+    "id",
+    "webhook",
+    "event_id",
+    "task_link",
+    "status",
+    "attempts",
+    "last_status_code",
+    "last_error",
+    "next_attempt_at",
+    "delivered_at",
+]
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(ReadOnlyAdmin):
+    """Every delivery of an event to a webhook or by email: its attempts and their outcome.
+    Staff retry failed ones (board.transitions.retry_deliveries): due at once, for a new
+    horizon."""
+
+    list_display = DELIVERY_COLUMNS
+    list_filter = ["status", "webhook"]
+    list_select_related = ["webhook"]
+    ordering = ["-id"]
+    actions = [retry]
+    readonly_fields = (*DELIVERY_COLUMNS[1:], "leased_until", "armed_at", "created_at")
+    fields = readonly_fields
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        """Return whether the user may retry deliveries: staff, as for webhooks in the API."""
+        return bool(request.user.is_authenticated and request.user.is_staff)
+
+    @admin.display(description="task", ordering="task_id")
+    def task_link(self, delivery: Delivery) -> SafeString:
+        url = reverse("admin:board_task_change", args=[delivery.task_id])
+        return format_html('<a href="{}">#{}</a>', url, delivery.task_id)

@@ -425,3 +425,112 @@ class AgentActivity(models.Model):
 
     def __str__(self) -> str:
         return f"{self.agent} {self.hour:%Y-%m-%d %H}h/{self.shard}"
+
+
+class WebhookKind(models.TextChoices):
+    WEBHOOK = "webhook"
+    # The one row that stands for EMAIL_URL's escalation emails (board.deliveries).
+    EMAIL = "email"
+
+
+class WebhookFormat(models.TextChoices):
+    JSON = "json"
+    SLACK = "slack"
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
+class Webhook(models.Model):
+    """Where to tell humans about events: a URL (kind webhook), or the escalation emails
+    (kind email, one row, active while EMAIL_URL is set). Written by board.transitions.
+
+    Every statement that inserts task_events makes a delivery per matching active row, in
+    the same transaction (the trigger of migration 0012): the event's type is in
+    ``events`` and its task's queue in ``queues`` (null: every queue).
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=16, choices=WebhookKind.choices, default="webhook")
+    url = models.URLField(max_length=2000, blank=True, default="")
+    events = ArrayField(models.CharField(max_length=32, choices=EventType.choices))
+    queues = ArrayField(models.CharField(max_length=64), null=True, blank=True)
+    secret = models.CharField(max_length=200, blank=True, default="")
+    format = models.CharField(max_length=16, choices=WebhookFormat.choices, default="json")
+    active = models.BooleanField(default=True)
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "webhooks"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind"], condition=models.Q(kind="email"), name="webhooks_one_email"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return "escalation emails" if self.kind == WebhookKind.EMAIL else self.url
+
+
+class Delivery(models.Model):
+    """One event to send through one webhook (or by email), delivered at least once.
+
+    Claimed by the server processes like a task (board.deliveries): FOR UPDATE SKIP LOCKED,
+    then a lease (``leased_until`` and ``lease_token``) that a killed process leaves to run
+    out; the outcome is recorded only under the token. ``next_attempt_at`` is when it is
+    due: the next retry, or while leased, the end of the lease. Retried with backoff until
+    ``armed_at`` + TASKBOARD_DELIVERY_HORIZON_SECONDS, then failed; a staff retry re-arms it.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
+    # No foreign keys to the task or the event: the event log may be archived (issue 12).
+    event_id = models.BigIntegerField()
+    task_id = models.BigIntegerField()
+    status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default="pending")
+    attempts = models.IntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    leased_until = models.DateTimeField(null=True, blank=True)
+    lease_token = models.UUIDField(null=True, blank=True)
+    last_status_code = models.IntegerField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 (the API shows null: no error)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    armed_at = models.DateTimeField(db_default=Now())
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "webhook_deliveries"
+        verbose_name_plural = "deliveries"
+        constraints = [
+            models.UniqueConstraint(fields=["webhook", "event_id"], name="deliveries_once"),
+        ]
+        indexes = [
+            # The claim and the dispatcher's next wake-up read only pending rows, in due order.
+            models.Index(
+                fields=["next_attempt_at"],
+                condition=models.Q(status="pending"),
+                name="deliveries_due_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"event {self.event_id} to {self.webhook}"
+
+
+class DeliveryResult(models.Model):
+    """How many delivery attempts came to each result (delivered, retried, failed), kept by
+    the statements that record them (board.transitions), for the metrics endpoint: a few
+    rows, however many deliveries the table holds."""
+
+    result = models.CharField(max_length=16, primary_key=True)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "delivery_results"
+
+    def __str__(self) -> str:
+        return f"{self.result}: {self.count}"

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 CHANNEL = "task_events"
 # A queue resumed (board.transitions.resume_queue): its name, for the claims waiting on it.
 QUEUE_CHANNEL = "task_queues"
+# Deliveries were made or re-armed (migration 0012, board.transitions.retry_deliveries):
+# wakes this process's dispatcher (board.deliveries).
+DELIVERY_CHANNEL = "webhook_deliveries"
 SSE_EVENT_TYPE = "task_event"
 
 
@@ -195,6 +198,9 @@ class Relay:
         self.listeners: set[Callable[[list[StreamEvent]], None]] = set()
         # Called with a queue's name when it was paused or resumed.
         self.queue_listeners: set[Callable[[str], None]] = set()
+        # Called on each notification of new deliveries, and after each (re)connect, since
+        # one may have come while the connection was down.
+        self.delivery_listeners: set[Callable[[], None]] = set()
         self.subscriber_queue = subscriber_queue
         self.batch = batch
         self.reconnects = 0
@@ -256,6 +262,7 @@ class Relay:
             # LISTEN before reading the head: nothing committed after it goes unnoticed.
             await conn.execute(f"LISTEN {CHANNEL}")
             await conn.execute(f"LISTEN {QUEUE_CHANNEL}")
+            await conn.execute(f"LISTEN {DELIVERY_CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
                 cur = await conn.execute(QUERIES["stream_horizon"])
@@ -268,6 +275,7 @@ class Relay:
             held_back = await self._catch_up(conn)
             self._listening_since = time.monotonic()
             self.connected.set()
+            self._deliveries_made()
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
             while True:
                 # Woken by a notification; while events wait behind an older transaction
@@ -277,6 +285,8 @@ class Relay:
                 async for notify in conn.notifies(timeout=timeout, stop_after=1):
                     if notify.channel == QUEUE_CHANNEL:
                         self._queue_changed(notify.payload)
+                    elif notify.channel == DELIVERY_CHANNEL:
+                        self._deliveries_made()
                 if window := self.coalesce_window():
                     # Many streams: let the commits of the next few milliseconds join this
                     # read, so that each stream is written to once for all of them.
@@ -311,6 +321,13 @@ class Relay:
                 listener(queue)
             except Exception:
                 logger.exception("relay: a queue listener failed")
+
+    def _deliveries_made(self) -> None:
+        for listener in list(self.delivery_listeners):
+            try:
+                listener()
+            except Exception:
+                logger.exception("relay: a delivery listener failed")
 
     def coalesce_window(self) -> float:
         """Seconds to wait for more commits before a read: none for a few subscribers, up

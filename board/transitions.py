@@ -19,6 +19,11 @@ until every dependency is done; the transition that makes the last one done (com
 resolve) records ``unblocked`` for it in the same transaction. Comments are events
 without a change of status. Pausing a queue takes its tasks out of claims.
 
+Telling humans: webhooks (and the email channel) and their deliveries are written here
+too. A delivery is made with its event, in the same statement, by the trigger of migration
+0012; the server processes claim, send and record them through the functions at the end
+(board.deliveries).
+
 The statements themselves live in ``board/sql/transitions.sql``. Queue and agent counters
 are kept by statement triggers on the same tables (migration 0008), so every statement
 here keeps them in step without a statement of its own.
@@ -52,7 +57,7 @@ from board.exceptions import (
     TaskNotFound,
     translated_database_errors,
 )
-from board.models import QueueState, Task, TaskEvent, TaskStatus
+from board.models import Delivery, QueueState, Task, TaskEvent, TaskStatus, Webhook
 from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
@@ -543,3 +548,81 @@ def drop_event_partition(*, month: datetime, count: int, id_sum: int) -> int:
             return int(_query("drop_event_partition", params)[0]["dropped"])
 
     return _retrying_lock_timeouts(drop, attempts=20)
+
+
+_WEBHOOK_FIELDS = {str(f.column): f for f in Webhook._meta.concrete_fields}
+_DELIVERY_FIELDS = {str(f.column): f for f in Delivery._meta.concrete_fields}
+
+
+def create_webhook(
+    *,
+    actor: Actor,
+    url: str,
+    events: Sequence[str],
+    queues: Sequence[str] | None,
+    secret: str,
+    format: str = "json",
+) -> Webhook:
+    """Add a webhook: every later event of ``events`` in ``queues`` (None: all) is sent."""
+    rows = _rows(
+        "create_webhook",
+        {
+            "actor": _username(actor),
+            "url": url,
+            "events": list(events),
+            "queues": None if queues is None else list(queues),
+            "secret": secret,
+            "format": format,
+        },
+    )
+    return _instance(Webhook, _WEBHOOK_FIELDS, rows[0])
+
+
+def delete_webhook(*, webhook_id: int, actor: Actor) -> bool:
+    """Remove a webhook and its deliveries; return whether there was one."""
+    _username(actor)
+    return bool(_rows("delete_webhook", {"webhook_id": webhook_id}))
+
+
+def set_email_channel(*, active: bool) -> Webhook:
+    """Turn the escalation emails (EMAIL_URL) on or off."""
+    return _instance(Webhook, _WEBHOOK_FIELDS, _rows("set_email_channel", {"active": active})[0])
+
+
+def claim_deliveries(*, limit: int, lease_seconds: float) -> list[Delivery]:
+    """Lease up to ``limit`` due deliveries to the caller (SKIP LOCKED), counting an attempt."""
+    rows = _rows("claim_deliveries", {"limit": limit, "lease_seconds": lease_seconds})
+    return [_instance(Delivery, _DELIVERY_FIELDS, row) for row in rows]
+
+
+def record_delivery(
+    *,
+    delivery_id: int,
+    lease_token: uuid.UUID,
+    delivered: bool,
+    status_code: int | None = None,
+    error: str | None = None,
+    retry_in: float = 0,
+    horizon_seconds: float = 0,
+) -> str | None:
+    """Record the outcome of an attempt made under ``lease_token``.
+
+    Return the delivery's status afterwards (delivered, pending for a retry in ``retry_in``
+    seconds, or failed when that would pass the horizon), or None when the lease was no
+    longer the caller's (it ran out and another process took the delivery, or the webhook
+    was deleted): then nothing is recorded.
+    """
+    params = {"delivery_id": delivery_id, "lease_token": lease_token, "status_code": status_code}
+    if delivered:
+        return "delivered" if _rows("delivery_succeeded", params) else None
+    rows = _rows(
+        "delivery_attempt_failed",
+        {**params, "error": error, "retry_in": retry_in, "horizon_seconds": horizon_seconds},
+    )
+    return str(rows[0]["status"]) if rows else None
+
+
+def retry_deliveries(*, delivery_ids: Sequence[int], actor: Actor) -> int:
+    """Re-arm failed deliveries (staff): due now, for a new horizon. Return how many."""
+    _username(actor)
+    return len(_rows("retry_deliveries", {"delivery_ids": list(delivery_ids)}))

@@ -7,6 +7,7 @@ import secrets
 from pathlib import Path
 
 import dj_database_url
+import dj_email_url
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -304,6 +305,38 @@ TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3)
 TASKBOARD_MAX_ATTEMPT_SECONDS = env_int("TASKBOARD_MAX_ATTEMPT_SECONDS", 0) or None
 if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_SECONDS <= 604800:
     raise ImproperlyConfigured("TASKBOARD_MAX_ATTEMPT_SECONDS must be 1..604800 seconds, or unset.")
+
+# Telling humans (board.deliveries): webhooks and escalation emails, delivered by the
+# server processes themselves. The board's address as people reach it, for the links in
+# Slack messages and emails to a task's admin page.
+TASKBOARD_PUBLIC_URL = os.environ.get("TASKBOARD_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+# Seconds a receiver has to answer a delivery with a 2xx (the contract's 10 s).
+TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10)
+# A failed attempt is retried after a random delay of up to BACKOFF * 2^(attempts-1) seconds
+# (at most MAX_BACKOFF: exponential backoff, full jitter), for HORIZON seconds after the
+# event (the contract's 24 hours), then marked failed.
+TASKBOARD_DELIVERY_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_BACKOFF_SECONDS", 10)
+TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS", 3600)
+TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int("TASKBOARD_DELIVERY_HORIZON_SECONDS", 24 * 3600)
+if (
+    min(
+        TASKBOARD_WEBHOOK_TIMEOUT_SECONDS,
+        TASKBOARD_DELIVERY_BACKOFF_SECONDS,
+        TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS,
+        TASKBOARD_DELIVERY_HORIZON_SECONDS,
+    )
+    < 1
+):
+    raise ImproperlyConfigured("The webhook timeout, backoffs and horizon must be 1 s or more.")
+# EMAIL_URL (smtp://user:password@host:587/?tls=True, parsed by dj-email-url): when set,
+# every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
+# user with an email).
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
+EMAIL_URL = os.environ.get("EMAIL_URL", "")
+if EMAIL_URL:
+    # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
+    vars().update(dj_email_url.parse(EMAIL_URL))
+TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
 
 LOGGING = {
     "version": 1,

@@ -15,10 +15,14 @@ from board.models import (
     MAX_ATTEMPT_SECONDS,
     MAX_DEPENDENCIES,
     QUEUE_PATTERN,
+    Delivery,
+    DeliveryStatus,
     EventType,
     Task,
     TaskEvent,
     TaskStatus,
+    Webhook,
+    WebhookFormat,
 )
 
 # The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
@@ -560,6 +564,107 @@ class TaskPageSerializer(serializers.Serializer[Any]):
 
 class EventPageSerializer(serializers.Serializer[Any]):
     results = EventSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+# http or https, a host name or address (an IPv6 one in brackets), a port, then a path,
+# query or fragment without spaces or control characters. The pattern is the whole rule
+# (the schema states it): a URL that fits it but reaches nothing fails its deliveries,
+# with the error in each delivery, like a receiver that is down.
+WEBHOOK_URL_PATTERN = (
+    "^[Hh][Tt][Tt][Pp][Ss]?://(?:[A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])(?::[0-9]{1,5})?"
+    "(?:[/?#][^\\u0000-\\u0020\\u007f]*)?\\Z"  # \Z: no newline after the end
+)
+
+
+class WebhookCreateSerializer(serializers.Serializer[Any]):
+    url = StrictRegexField(
+        WEBHOOK_URL_PATTERN,
+        max_length=2000,
+        error_messages={"invalid": "Use an http or https URL."},
+        help_text="Where to POST the deliveries: an http or https URL.",
+    )
+    events = serializers.ListField(
+        child=serializers.ChoiceField(choices=EventType.choices),
+        required=False,
+        default=lambda: [EventType.ESCALATED.value],
+        min_length=1,
+        max_length=len(EventType.choices),
+        help_text='The event types to send; default ["escalated"].',
+    )
+    queues = serializers.ListField(
+        child=queue_field(),
+        required=False,
+        allow_null=True,
+        default=None,
+        min_length=1,
+        max_length=100,
+        help_text="Send only events of tasks in these queues; omitted or null: every queue.",
+    )
+    secret = StrictCharField(
+        required=False,
+        min_length=1,
+        max_length=200,
+        help_text="The key of the HMAC-SHA256 signature; omitted: a random one is made.",
+    )
+    format = serializers.ChoiceField(
+        choices=WebhookFormat.choices,
+        required=False,
+        default=WebhookFormat.JSON.value,
+        help_text=(
+            'json: {"event": Event, "task": Task}; slack: a Slack-compatible {"text": ...} '
+            "with a link to the task's admin page."
+        ),
+    )
+
+    def validate_events(self, value: list[str]) -> list[str]:
+        return sorted(set(value), key=value.index)
+
+
+class WebhookSerializer(serializers.ModelSerializer[Webhook]):
+    # As given: an IRI may hold characters that a "uri" format would not admit.
+    url = serializers.CharField()
+    events = serializers.ListField(child=serializers.ChoiceField(choices=EventType.choices))
+    queues = serializers.ListField(child=serializers.CharField(), allow_null=True)
+
+    class Meta:
+        model = Webhook
+        fields = ["id", "url", "events", "queues", "format", "active", "created_by", "created_at"]
+
+
+class WebhookCreatedSerializer(WebhookSerializer):
+    secret = serializers.CharField(help_text="Shown only in this response.")
+
+    class Meta(WebhookSerializer.Meta):
+        fields = [*WebhookSerializer.Meta.fields, "secret"]
+
+
+class DeliverySerializer(serializers.ModelSerializer[Delivery]):
+    status = serializers.ChoiceField(choices=DeliveryStatus.choices)
+
+    class Meta:
+        model = Delivery
+        fields = [
+            "id",
+            "event_id",
+            "task_id",
+            "status",
+            "attempts",
+            "last_status_code",
+            "last_error",
+            "next_attempt_at",
+            "delivered_at",
+            "created_at",
+        ]
+
+
+class WebhookPageSerializer(serializers.Serializer[Any]):
+    results = WebhookSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+
+
+class DeliveryPageSerializer(serializers.Serializer[Any]):
+    results = DeliverySerializer(many=True)
     next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
 
 

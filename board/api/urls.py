@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import SimpleRouter
 
-from board.api.views import AgentViewSet, EventViewSet, QueueViewSet, TaskViewSet
+from board.api.views import AgentViewSet, EventViewSet, QueueViewSet, TaskViewSet, WebhookViewSet
 
 app_name = "api"
 
@@ -13,6 +13,7 @@ router.register("tasks", TaskViewSet, basename="task")
 router.register("events", EventViewSet, basename="event")
 router.register("queues", QueueViewSet, basename="queue")
 router.register("agents", AgentViewSet, basename="agent")
+router.register("webhooks", WebhookViewSet, basename="webhook")
 
 urlpatterns = [
     path("", include(router.urls)),

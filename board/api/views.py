@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any, cast
 
 from django.db.models import QuerySet
@@ -25,7 +26,15 @@ from board.access import QueueAccess, queue_access
 from board.api import serializers as s
 from board.api.permissions import IsStaff, MayTriage
 from board.exceptions import ReferencedTaskNotFound
-from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskQuerySet
+from board.models import (
+    QUEUE_PATTERN,
+    Delivery,
+    Task,
+    TaskEvent,
+    TaskQuerySet,
+    Webhook,
+    WebhookKind,
+)
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 IDEMPOTENCY_KEY_PATTERN = "^[!-~]{1,255}$"
@@ -553,3 +562,93 @@ class AgentViewSet(BoardViewSet):
     def list(self, request: Request) -> Response:
         agents = glance.agent_list(self.access, request.user.get_username())
         return Response(s.render_many(s.AgentSerializer, agents))
+
+
+class IsStaffForWebhooks(IsStaff):
+    message = "Only staff may see or change webhooks."
+
+
+ERRORS_403_WEBHOOKS = {
+    403: OpenApiResponse(s.ErrorSerializer, description="permission_denied: staff only.")
+}
+ERRORS_404_WEBHOOK = {404: OpenApiResponse(s.ErrorSerializer, description="No such webhook.")}
+
+
+class WebhookViewSet(BoardViewSet):
+    # Staff tell humans about events: webhooks (board.deliveries sends them).
+
+    queryset = Webhook.objects.filter(kind=WebhookKind.WEBHOOK)
+    serializer_class = s.WebhookSerializer
+    permission_classes = [IsStaffForWebhooks]
+    lookup_value_regex = r"[0-9]{1,18}"
+
+    def get_queryset(self) -> QuerySet[Any]:
+        return self.queryset.all()  # not by queue: staff see every webhook
+
+    @extend_schema(
+        operation_id="webhooks_list",
+        summary="List webhooks, newest first (staff)",
+        parameters=[s.TaskListPageSerializer],
+        responses={200: s.WebhookPageSerializer, **ERRORS_400, **ERRORS_403_WEBHOOKS},
+    )
+    def list(self, request: Request) -> Response:
+        page = self.query(s.TaskListPageSerializer)
+        rows, next_url = keyset_page(
+            request, self.get_queryset(), limit=page["limit"], before=page.get("before")
+        )
+        return Response({"results": s.render_many(s.WebhookSerializer, rows), "next": next_url})
+
+    @extend_schema(
+        summary="Add a webhook (staff)",
+        description=(
+            "Every later event of the given types, in the given queues, is POSTed to the URL "
+            'as `{"event": Event, "task": Task}` (or a Slack `{"text": ...}`), with the '
+            "headers `Taskboard-Event-Id` and `Taskboard-Signature: t=<unix seconds>,"
+            'v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>`, at least once: retried with '
+            "backoff for 24 hours. The secret is shown only in this response."
+        ),
+        request=s.WebhookCreateSerializer,
+        responses={201: s.WebhookCreatedSerializer, **ERRORS_400, **ERRORS_403_WEBHOOKS},
+    )
+    def create(self, request: Request) -> Response:
+        data = self.validated(s.WebhookCreateSerializer)
+        # 256 random bits, as a receiver's key for HMAC-SHA256 should have.
+        data["secret"] = data.get("secret") or secrets.token_hex(32)
+        webhook = transitions.create_webhook(actor=request.user, **data)
+        return Response(s.WebhookCreatedSerializer(webhook).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Remove a webhook and its deliveries (staff)",
+        responses={204: None, **ERRORS_403_WEBHOOKS, **ERRORS_404_WEBHOOK},
+    )
+    def destroy(self, request: Request, pk: str) -> Response:
+        if not transitions.delete_webhook(webhook_id=int(pk), actor=request.user):
+            raise exceptions.NotFound("No such webhook.")
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        operation_id="webhooks_deliveries_list",
+        summary="A webhook's deliveries, newest first (staff)",
+        description=(
+            "Each: the event, how many attempts were made, the last status code or error, "
+            "when the next attempt is due (pending) and when it was delivered."
+        ),
+        parameters=[s.TaskListPageSerializer],
+        responses={
+            200: s.DeliveryPageSerializer,
+            **ERRORS_400,
+            **ERRORS_403_WEBHOOKS,
+            **ERRORS_404_WEBHOOK,
+        },
+    )
+    @action(detail=True, methods=["get"])
+    def deliveries(self, request: Request, pk: str) -> Response:
+        webhook = self.get_object()
+        page = self.query(s.TaskListPageSerializer)
+        rows, next_url = keyset_page(
+            request,
+            Delivery.objects.filter(webhook=webhook),
+            limit=page["limit"],
+            before=page.get("before"),
+        )
+        return Response({"results": s.render_many(s.DeliverySerializer, rows), "next": next_url})

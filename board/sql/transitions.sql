@@ -519,3 +519,109 @@ ORDER BY month;
 -- Detach the partition of the month that holds %(month)s, check that it holds %(count)s
 -- events whose ids sum to %(id_sum)s (the archive file's), and drop it.
 SELECT task_events_drop_partition(%(month)s::timestamptz, %(count)s, %(id_sum)s) AS dropped;
+
+-- Telling humans: webhooks and their deliveries (board.deliveries sends them). The
+-- deliveries themselves are made by the trigger of migration 0012, in the statement that
+-- writes their event.
+
+-- name: create_webhook
+-- Add a webhook; from the next statement that writes a matching event, it gets deliveries.
+INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by, created_at)
+VALUES ('webhook', %(url)s, %(events)s, %(queues)s, %(secret)s, %(format)s, true, %(actor)s,
+        now())
+RETURNING *;
+
+-- name: delete_webhook
+-- Remove a webhook and its deliveries (an attempt in flight then records nothing).
+WITH gone AS (
+    DELETE FROM webhook_deliveries WHERE webhook_id = %(webhook_id)s
+)
+DELETE FROM webhooks WHERE id = %(webhook_id)s AND kind = 'webhook'
+RETURNING id;
+
+-- name: set_email_channel
+-- Turn the escalation emails on or off (each server says at start-up whether EMAIL_URL is
+-- set): one row of kind email, matching every escalation.
+INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by, created_at)
+VALUES ('email', '', ARRAY['escalated'], NULL, '', 'json', %(active)s, 'system', now())
+ON CONFLICT (kind) WHERE kind = 'email' DO UPDATE SET active = EXCLUDED.active
+RETURNING *;
+
+-- name: claim_deliveries
+-- Lease up to %(limit)s due deliveries to this process, oldest due first.
+--
+-- As a claim of tasks: FOR UPDATE SKIP LOCKED on the partial index of pending rows, so
+-- that the server processes never wait for each other nor take the same delivery. The
+-- lease moves next_attempt_at to its end: a process killed mid-delivery leaves a row that
+-- falls due again when the lease runs out, and another process (or the restarted one)
+-- tries again. Each claim counts an attempt and draws a fresh token; only the holder of
+-- the token records the outcome.
+WITH due AS (
+    SELECT id FROM webhook_deliveries
+    WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE webhook_deliveries d SET
+    attempts = d.attempts + 1,
+    leased_until = now() + make_interval(secs => %(lease_seconds)s),
+    next_attempt_at = now() + make_interval(secs => %(lease_seconds)s),
+    lease_token = gen_random_uuid()
+FROM due
+WHERE d.id = due.id
+RETURNING d.*;
+
+-- name: delivery_succeeded
+-- Record a 2xx answer, under the lease token, and count it.
+WITH done AS (
+    UPDATE webhook_deliveries SET
+        status = 'delivered', delivered_at = now(), last_status_code = %(status_code)s,
+        last_error = NULL, leased_until = NULL, lease_token = NULL, next_attempt_at = NULL
+    WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
+    RETURNING id
+), counted AS (
+    UPDATE delivery_results SET count = count + 1
+    WHERE result = 'delivered' AND EXISTS (SELECT 1 FROM done)
+)
+SELECT id FROM done;
+
+-- name: delivery_attempt_failed
+-- Record a failed attempt under the lease token: due again after %(retry_in)s seconds, or
+-- failed for good when that would be past the horizon after the delivery was armed (made,
+-- or retried by staff). Counted as retried or failed.
+WITH outcome AS (
+    UPDATE webhook_deliveries SET
+        status = CASE
+            WHEN now() + make_interval(secs => %(retry_in)s)
+                 > armed_at + make_interval(secs => %(horizon_seconds)s)
+            THEN 'failed' ELSE 'pending' END,
+        next_attempt_at = CASE
+            WHEN now() + make_interval(secs => %(retry_in)s)
+                 > armed_at + make_interval(secs => %(horizon_seconds)s)
+            THEN NULL ELSE now() + make_interval(secs => %(retry_in)s) END,
+        last_status_code = %(status_code)s, last_error = %(error)s,
+        leased_until = NULL, lease_token = NULL
+    WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
+    RETURNING id, status
+), counted AS (
+    UPDATE delivery_results r SET count = r.count + 1
+    FROM outcome o
+    WHERE r.result = CASE WHEN o.status = 'failed' THEN 'failed' ELSE 'retried' END
+)
+SELECT id, status FROM outcome;
+
+-- name: retry_deliveries
+-- Re-arm failed deliveries (staff): due now, with a new horizon, and wake the dispatchers.
+WITH rearmed AS (
+    UPDATE webhook_deliveries SET
+        status = 'pending', next_attempt_at = now(), armed_at = now(), attempts = 0
+    WHERE id = ANY(%(delivery_ids)s::bigint[]) AND status = 'failed'
+    RETURNING id
+)
+SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM rearmed;
+
+-- name: next_delivery_due
+-- When the next pending delivery falls due (a retry, or a lease running out), from the
+-- partial index: the dispatcher sets its timer to it.
+SELECT min(next_attempt_at) AS due FROM webhook_deliveries WHERE status = 'pending';

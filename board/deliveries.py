@@ -1,0 +1,422 @@
+"""Telling humans: each server process sends the board's webhooks and escalation emails.
+
+Deliveries are rows (``webhook_deliveries``), made with their event in the same
+transaction (migration 0012). Every server process runs one :class:`Dispatcher` on its
+event loop, started and stopped with the ASGI lifespan beside the relay; no other process
+is needed. The dispatcher:
+
+- wakes when the relay hears that deliveries were made or re-armed (NOTIFY
+  webhook_deliveries, at commit), and at the time the next one falls due (a timer set to
+  ``min(next_attempt_at)`` of the pending rows, read from a partial index): no polling;
+- claims due deliveries with ``FOR UPDATE SKIP LOCKED`` and a lease (board.transitions),
+  so N processes deliver each one once; a process killed mid-delivery leaves a lease that
+  runs out, and another (or the restarted one) tries again: at least once;
+- POSTs ``{"event": Event, "task": Task}`` as the API renders them, signed, with httpx
+  (or a Slack ``{"text": ...}``), or sends the escalation email through Django's email
+  framework; 2xx within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS is success;
+- records the outcome under the lease token: delivered, or due again after a backoff with
+  full jitter, or failed once past TASKBOARD_DELIVERY_HORIZON_SECONDS.
+
+Database work runs on one thread of the dispatcher's own (Django's connection is per
+thread), which closes its connection whenever the dispatcher goes idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.mail import EmailMessage, get_connection
+from django.db import Error as DatabaseError
+from django.db import connection
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
+
+from board import transitions
+from board.models import (
+    Delivery,
+    DeliveryResult,
+    DeliveryStatus,
+    Task,
+    TaskEvent,
+    TaskStatus,
+    Webhook,
+    WebhookFormat,
+    WebhookKind,
+)
+from board.sql import QUERIES
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SIGNATURE_HEADER = "Taskboard-Signature"
+EVENT_ID_HEADER = "Taskboard-Event-Id"
+# A lease covers the attempt (at most the timeout) and recording its outcome.
+LEASE_MARGIN_SECONDS = 5
+# Deliveries one process has in flight at once.
+MAX_IN_FLIGHT = 20
+# After a database error, look again this much later.
+DATABASE_RETRY_SECONDS = 2.0
+
+
+def timeout_seconds() -> float:
+    return float(settings.TASKBOARD_WEBHOOK_TIMEOUT_SECONDS)
+
+
+def lease_seconds() -> float:
+    return 2 * timeout_seconds() + LEASE_MARGIN_SECONDS
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """Return the ``Taskboard-Signature`` of ``body`` sent at ``timestamp`` (unix seconds)."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={digest}"
+
+
+def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
+    """Return the delay before the next attempt after ``attempts`` failed ones: full jitter,
+    uniform in [0, min(MAX_BACKOFF, BACKOFF * 2^(attempts-1))], so that receivers that come
+    back are not met by every sender at once."""
+    base = settings.TASKBOARD_DELIVERY_BACKOFF_SECONDS
+    cap = settings.TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS
+    ceiling = min(cap, base * 2 ** min(max(attempts, 1) - 1, 40))
+    return (rng or random).uniform(0, ceiling)
+
+
+def admin_url(task: Task) -> str:
+    """Return the absolute address of the task's page in the admin: the escalation queue's
+    page, which lets someone requeue, resolve or cancel it, while it is escalated."""
+    if task.status == TaskStatus.ESCALATED:
+        path = reverse("admin:escalations_escalatedtask_change", args=[task.pk])
+    else:
+        path = reverse("admin:board_task_change", args=[task.pk])
+    return f"{settings.TASKBOARD_PUBLIC_URL}{path}"
+
+
+def delivery_counts() -> dict[str, int]:
+    """Return webhook and email deliveries by result, for the metrics endpoint.
+
+    ``delivered``, ``retried`` (an attempt that failed and will be tried again) and
+    ``failed`` (given up after the horizon) count attempts since the table was made (they
+    only grow: Prometheus counters); ``pending`` is how many wait now (a gauge). Reads a
+    three-row table and the partial index of pending deliveries: cheap at any size.
+    """
+    counts = {row.result: row.count for row in DeliveryResult.objects.all()}
+    counts["pending"] = Delivery.objects.filter(status=DeliveryStatus.PENDING).count()
+    return counts
+
+
+@dataclass
+class Outgoing:
+    """A claimed delivery, ready to send (built on the database thread)."""
+
+    delivery_id: int
+    lease_token: uuid.UUID
+    attempts: int
+    kind: str = WebhookKind.WEBHOOK
+    url: str = ""
+    secret: str = ""
+    event_id: int = 0
+    body: bytes = b""
+    subject: str = ""
+    recipients: list[str] = field(default_factory=list)
+    # Set when it cannot be sent at all (its event was archived, say): recorded as a failure.
+    problem: str | None = None
+
+
+def _slack_text(event: TaskEvent, task: Task) -> str:
+    def escape(text: str) -> str:  # Slack's mrkdwn: only these three are special
+        return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    text = f"Task #{task.pk} “{escape(task.title)}” {event.type} in queue {task.queue}"
+    if event.type == "escalated" and task.last_error:
+        text += f": {escape(task.last_error)}"
+    return f"{text} <{admin_url(task)}|Open in the admin>"
+
+
+def _recipients() -> list[str]:
+    if settings.TASKBOARD_ESCALATION_EMAILS:
+        return list(settings.TASKBOARD_ESCALATION_EMAILS)
+    staff = get_user_model().objects.filter(is_active=True, is_staff=True).exclude(email="")
+    return sorted(staff.values_list("email", flat=True))
+
+
+def prepare(delivery: Delivery) -> Outgoing:
+    """Build what to send for ``delivery``: the event and task as the API renders them now."""
+    from board.api.serializers import EventSerializer, TaskSerializer, render
+
+    assert delivery.lease_token is not None
+    out = Outgoing(delivery.pk, delivery.lease_token, delivery.attempts, event_id=delivery.event_id)
+    webhook = Webhook.objects.get(pk=delivery.webhook_id)
+    event = TaskEvent.objects.filter(pk=delivery.event_id).first()
+    task = Task.objects.filter(pk=delivery.task_id).first()
+    out.kind, out.url, out.secret = webhook.kind, webhook.url, webhook.secret
+    if event is None or task is None:
+        out.problem = f"event {delivery.event_id} is no longer in the log"
+        return out
+    if webhook.kind == WebhookKind.EMAIL:
+        context = {
+            "task": task,
+            "event": event,
+            "reason": (event.payload or {}).get("reason"),
+            "link": admin_url(task),
+        }
+        out.subject = " ".join(
+            render_to_string("board/email/escalated_subject.txt", context).split()
+        )
+        out.body = render_to_string("board/email/escalated.txt", context).encode()
+        out.recipients = _recipients()
+        if not out.recipients:
+            out.problem = "no recipient: set TASKBOARD_ESCALATION_EMAILS or a staff user's email"
+        return out
+    if webhook.format == WebhookFormat.SLACK:
+        payload: dict[str, Any] = {"text": _slack_text(event, task)}
+    else:
+        payload = {"event": render(EventSerializer, event), "task": render(TaskSerializer, task)}
+    out.body = json.dumps(payload, separators=(",", ":")).encode()
+    return out
+
+
+def claim_and_prepare(limit: int) -> list[Outgoing]:
+    """Claim up to ``limit`` due deliveries and build each one's message."""
+    prepared = []
+    for delivery in transitions.claim_deliveries(limit=limit, lease_seconds=lease_seconds()):
+        try:
+            prepared.append(prepare(delivery))
+        except Exception as exc:  # recorded as a failed attempt, retried like any other
+            logger.exception("deliveries: could not prepare delivery %s", delivery.pk)
+            assert delivery.lease_token is not None
+            prepared.append(
+                Outgoing(delivery.pk, delivery.lease_token, delivery.attempts, problem=repr(exc))
+            )
+    return prepared
+
+
+def next_due() -> float | None:
+    """Return the seconds until the next pending delivery falls due, or None if none waits."""
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES["next_delivery_due"])
+        row = cursor.fetchone()
+    if row is None or row[0] is None:
+        return None
+    return max(0.0, (row[0] - timezone.now()).total_seconds())
+
+
+def send_email(out: Outgoing) -> None:
+    """Send the escalation email through Django's email framework (EMAIL_URL)."""
+    mail = EmailMessage(
+        subject=out.subject,
+        body=out.body.decode(),
+        to=out.recipients,
+        connection=get_connection(timeout=timeout_seconds()),
+    )
+    mail.send()
+
+
+async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int | None, str | None]:
+    """Send one delivery; return (delivered, HTTP status or None, error or None)."""
+    if out.problem:
+        return False, None, out.problem
+    if out.kind == WebhookKind.EMAIL:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(send_email, out), timeout_seconds() + 1)
+        except Exception as exc:  # any refusal by the SMTP server, or none at all
+            return False, None, f"email not sent: {exc!r}"[:2000]
+        return True, None, None
+    timestamp = int(time.time())
+    headers = {
+        "Content-Type": "application/json",
+        EVENT_ID_HEADER: str(out.event_id),
+        SIGNATURE_HEADER: sign(out.secret, timestamp, out.body),
+        "User-Agent": "Taskboard-Webhooks",
+    }
+    try:
+        # wait_for bounds the whole exchange: httpx's timeout applies to each read.
+        response = await asyncio.wait_for(
+            client.post(out.url, content=out.body, headers=headers, timeout=timeout_seconds()),
+            timeout_seconds(),
+        )
+    except (TimeoutError, httpx.TimeoutException):
+        return False, None, f"no answer within {timeout_seconds():g} s"
+    except Exception as exc:  # refused, reset, an address httpx cannot use: retried
+        return False, None, f"{type(exc).__name__}: {exc}"[:2000]
+    if 200 <= response.status_code < 300:
+        return True, response.status_code, None
+    return False, response.status_code, f"answered {response.status_code}"
+
+
+class Dispatcher:
+    """This process's sender of deliveries (one per event loop)."""
+
+    def __init__(self) -> None:
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="taskboard-deliveries")
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._client = httpx.AsyncClient(follow_redirects=False)
+        self._task: asyncio.Task[None] | None = None
+        self._unlisten: Callable[[], None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="taskboard-deliveries")
+
+    async def stop(self) -> None:
+        """Stop sending. Deliveries in flight are abandoned: their leases run out and a
+        process tries them again (at least once)."""
+        if self._unlisten is not None:
+            self._unlisten()
+        tasks = [t for t in [self._task, *self._in_flight] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._client.aclose()
+        with contextlib.suppress(Exception):
+            await self._db(_close_connection)
+        self._executor.shutdown(wait=False)
+
+    async def _db(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        def call() -> T:
+            connection.close_if_unusable_or_obsolete()
+            return function(*args, **kwargs)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, call)
+
+    async def _listen(self) -> None:
+        """Have the relay wake this dispatcher (it starts the relay, retrying while the
+        database is away)."""
+        from board.relay import get_relay
+
+        while True:
+            try:
+                relay = await get_relay()
+            except Exception as exc:  # psycopg's or Django's errors, or a timeout
+                logger.warning("deliveries: no relay yet (%s); trying again", exc)
+                await asyncio.sleep(DATABASE_RETRY_SECONDS)
+                continue
+            relay.delivery_listeners.add(self.wake)
+            self._unlisten = functools.partial(relay.delivery_listeners.discard, self.wake)
+            return
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._db(_sync_email_channel)
+                break
+            except DatabaseError as exc:
+                logger.warning("deliveries: database unavailable (%s)", exc)
+                await asyncio.sleep(DATABASE_RETRY_SECONDS)
+        await self._listen()
+        while True:
+            self._wake.clear()
+            delay: float | None
+            try:
+                room = MAX_IN_FLIGHT - len(self._in_flight)
+                claimed = await self._db(claim_and_prepare, room) if room > 0 else []
+                for out in claimed:
+                    task = asyncio.create_task(self._deliver(out))
+                    self._in_flight.add(task)
+                    task.add_done_callback(self._done)
+                if room > 0 and len(claimed) == room:
+                    continue  # more may be due
+                # Full: an attempt that ends wakes the loop. Otherwise sleep until the next
+                # delivery falls due (a retry, or another process's lease running out).
+                delay = None if room <= 0 else await self._db(next_due)
+                if delay is not None and not claimed:
+                    # Due but not claimed: another process's claim holds it (SKIP LOCKED)
+                    # until it commits. Look again shortly, not at once.
+                    delay = max(delay, 0.1)
+                if not self._in_flight:
+                    await self._db(_close_connection)  # idle: hold no connection
+            except DatabaseError as exc:
+                logger.warning("deliveries: database unavailable (%s)", exc)
+                delay = DATABASE_RETRY_SECONDS
+            except Exception:  # a bug must not stop this process's deliveries for good
+                logger.exception("deliveries: a round of claims failed")
+                delay = DATABASE_RETRY_SECONDS
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), None if delay is None else delay + 0.01)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self.wake()
+
+    async def _deliver(self, out: Outgoing) -> None:
+        delivered, status_code, error = await attempt(out, self._client)
+        try:
+            status = await self._db(
+                transitions.record_delivery,
+                delivery_id=out.delivery_id,
+                lease_token=out.lease_token,
+                delivered=delivered,
+                status_code=status_code,
+                error=error,
+                retry_in=0 if delivered else backoff_seconds(out.attempts),
+                horizon_seconds=settings.TASKBOARD_DELIVERY_HORIZON_SECONDS,
+            )
+        except DatabaseError:
+            # Not recorded: the lease runs out and the delivery is made again.
+            logger.warning("deliveries: could not record delivery %s", out.delivery_id)
+            return
+        if status is None:
+            logger.info("deliveries: the lease on delivery %s was lost", out.delivery_id)
+        elif status != DeliveryStatus.DELIVERED:
+            logger.warning(
+                "deliveries: delivery %s (event %s) %s: %s",
+                out.delivery_id,
+                out.event_id,
+                "failed for good" if status == DeliveryStatus.FAILED else "will be retried",
+                error,
+            )
+
+
+def _close_connection() -> None:
+    connection.close()  # this thread's: looked up here, on the dispatcher's thread
+
+
+def _sync_email_channel() -> None:
+    """Turn the escalation emails on when EMAIL_URL is set, and off when it is not."""
+    wanted = bool(settings.EMAIL_URL)
+    if wanted or Webhook.objects.filter(kind=WebhookKind.EMAIL, active=True).exists():
+        transitions.set_email_channel(active=wanted)
+
+
+_dispatchers: dict[asyncio.AbstractEventLoop, Dispatcher] = {}
+
+
+async def start_dispatcher() -> Dispatcher:
+    """Start this event loop's dispatcher (ASGI lifespan startup); it waits in the
+    background for the database if it is not there yet."""
+    loop = asyncio.get_running_loop()
+    dispatcher = _dispatchers.get(loop)
+    if dispatcher is None:
+        dispatcher = _dispatchers[loop] = Dispatcher()
+        await dispatcher.start()
+    return dispatcher
+
+
+async def stop_dispatcher() -> None:
+    """Stop this event loop's dispatcher (ASGI lifespan shutdown)."""
+    dispatcher = _dispatchers.pop(asyncio.get_running_loop(), None)
+    if dispatcher is not None:
+        await dispatcher.stop()

@@ -1,0 +1,224 @@
+"""Deliveries made by a live server's dispatcher (board.deliveries) to real receivers: an
+HTTP server that fails, times out and recovers, and an SMTP server."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from board import deliveries, transitions
+from board.models import Delivery, Webhook
+from tests.live import LiveServer, live_server
+from tests.processes import eventually
+from tests.receivers import WebhookReceiver, smtp_receiver
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+SECRET = "a-receivers-shared-secret-0123456789"
+
+
+@pytest.fixture
+def quick(settings: Any) -> Any:
+    """Deliveries time out after 1 s and are retried within a second."""
+    settings.TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = 1
+    settings.TASKBOARD_DELIVERY_BACKOFF_SECONDS = 1
+    settings.TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = 1
+    settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
+    return settings
+
+
+@pytest.fixture
+def board(quick: Any) -> Iterator[LiveServer]:
+    with live_server() as server:
+        yield server
+
+
+def escalate(make_task: Callable[..., Any], agent: Any, queue: str = "default") -> Any:
+    task = make_task(queue=queue, title=f"resize in {queue}")
+    [held] = transitions.claim(actor=agent, queues=[queue])
+    transitions.fail(task_id=task.pk, actor=agent, lease_token=held.lease_token, error="disk full")
+    [held] = transitions.claim(actor=agent, queues=[queue])
+    return transitions.escalate(
+        task_id=task.pk, actor=agent, lease_token=held.lease_token, reason="needs a human"
+    )
+
+
+def settled(*webhooks: Webhook) -> bool:
+    return not Delivery.objects.filter(webhook__in=webhooks, status="pending").exists()
+
+
+def test_every_matching_event_arrives_signed_through_failures_and_timeouts(
+    board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    with WebhookReceiver(500, ("slow", 2.5), 503) as receiver:
+        hook = transitions.create_webhook(
+            actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
+        )
+        tasks = [escalate(make_task, agent) for _ in range(4)]
+        transitions.comment(task_id=tasks[0].pk, actor=agent, body="not sent: not escalated")
+        eventually(lambda: settled(hook), timeout=30, what="every delivery settled")
+
+        events = {t.events.get(type="escalated").pk: t for t in tasks}
+        accepted = receiver.accepted()
+        # At least once, and once only: nothing crashed.
+        assert Counter(r.event_id for r in accepted) == Counter(list(events))
+        assert all(r.signature_verifies(SECRET) for r in receiver.received)
+        assert not any(r.signature_verifies("another secret") for r in receiver.received)
+        assert len(receiver.received) == len(events) + 3  # the 500, the slow one, the 503
+        for r in accepted:
+            body = r.json
+            assert r.headers["Content-Type"] == "application/json"
+            assert body["event"]["id"] == r.event_id and body["event"]["type"] == "escalated"
+            task = events[r.event_id]
+            assert body["task"]["id"] == task.pk and body["task"]["status"] == "escalated"
+            assert body["task"]["last_error"] == "needs a human"
+            assert "lease_token" not in body["task"]
+        assert set(Delivery.objects.values_list("status", flat=True)) == {"delivered"}
+        retried = Delivery.objects.filter(attempts__gt=1)
+        assert retried.count() >= 2  # the deliveries that met the 500, the timeout, the 503
+        assert all(d.last_status_code == 200 for d in Delivery.objects.all())
+
+
+def test_a_slack_webhook_gets_text_with_a_link_to_the_tasks_admin_page(
+    board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    with WebhookReceiver() as receiver:
+        hook = transitions.create_webhook(
+            actor=staff,
+            url=receiver.url,
+            events=["escalated"],
+            queues=["images"],
+            secret=SECRET,
+            format="slack",
+        )
+        escalate(make_task, agent, queue="audio")  # another queue: not sent
+        task = escalate(make_task, agent, queue="images")
+        eventually(lambda: settled(hook) and receiver.accepted(), timeout=20, what="delivery")
+        [received] = receiver.received
+        link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
+        assert received.json == {
+            "text": f"Task #{task.pk} “resize in images” escalated in queue images: "
+            f"needs a human <{link}|Open in the admin>"
+        }
+
+
+def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
+    quick: Any, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    quick.TASKBOARD_DELIVERY_HORIZON_SECONDS = 2
+    with WebhookReceiver(then=500) as receiver, live_server():
+        hook = transitions.create_webhook(
+            actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
+        )
+        escalate(make_task, agent)
+        eventually(lambda: settled(hook), timeout=20, what="the delivery gave up")
+        [delivery] = Delivery.objects.all()
+        assert delivery.status == "failed"
+        assert (delivery.last_status_code, delivery.last_error) == (500, "answered 500")
+        assert delivery.attempts == len(receiver.received) >= 2
+        assert delivery.next_attempt_at is None
+
+        receiver.then = 200
+        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
+        eventually(lambda: settled(hook), timeout=10, what="the retry was delivered")
+        delivery.refresh_from_db()
+        assert (delivery.status, delivery.attempts, delivery.last_status_code) == (
+            "delivered",
+            1,
+            200,
+        )
+        assert delivery.delivered_at is not None
+        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
+
+
+def test_the_backoff_ceiling_doubles_with_each_attempt_up_to_its_cap(settings: Any) -> None:
+    settings.TASKBOARD_DELIVERY_BACKOFF_SECONDS = 10
+    settings.TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = 3600
+    rng = random.Random(12)
+    for attempts, ceiling in [(1, 10), (2, 20), (3, 40), (6, 320), (12, 3600), (60, 3600)]:
+        delays = [deliveries.backoff_seconds(attempts, rng) for _ in range(500)]
+        assert min(delays) >= 0 and max(delays) <= ceiling
+        assert max(delays) > 0.9 * ceiling  # full jitter spreads over the whole range
+        assert min(delays) < 0.1 * ceiling
+
+
+def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
+    quick: Any, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    with smtp_receiver() as (port, inbox):
+        quick.EMAIL_URL = f"smtp://127.0.0.1:{port}"
+        quick.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+        quick.EMAIL_HOST, quick.EMAIL_PORT = "127.0.0.1", port
+        quick.TASKBOARD_ESCALATION_EMAILS = ["oncall@example.com", "lead@example.com"]
+        with live_server():
+            email = eventually(
+                lambda: Webhook.objects.filter(kind="email", active=True).first(),
+                what="the server turned the emails on",
+            )
+            task = escalate(make_task, agent)
+            eventually(lambda: inbox, timeout=20, what="an email")
+            eventually(lambda: settled(email), timeout=5, what="the delivery recorded")
+        [message] = inbox
+        assert message["Subject"] == f"[Taskboard] Task #{task.pk} escalated: resize in default"
+        assert message["X-Envelope-To"] == "oncall@example.com, lead@example.com"
+        text = message.get_payload(decode=True).decode()
+        assert "Last error: needs a human" in text
+        assert "Reason: needs a human" in text
+        assert (
+            f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/" in text
+        )
+        assert Delivery.objects.get(webhook=email).status == "delivered"
+
+    # Without EMAIL_URL, the next server turns them off again.
+    quick.EMAIL_URL = ""
+    with live_server():
+        eventually(
+            lambda: not Webhook.objects.filter(kind="email", active=True).exists(),
+            what="the emails turned off",
+        )
+
+
+def test_escalation_emails_go_to_active_staff_with_an_email_by_default(
+    quick: Any, make_task: Callable[..., Any], agent: Any
+) -> None:
+    from tests.factories import StaffFactory, UserFactory
+
+    StaffFactory(username="ann", email="ann@example.com")
+    StaffFactory(username="bob", email="bob@example.com", is_active=False)
+    StaffFactory(username="cyd", email="")
+    UserFactory(username="dee", email="dee@example.com")
+    with smtp_receiver() as (port, inbox):
+        quick.EMAIL_URL = f"smtp://127.0.0.1:{port}"
+        quick.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+        quick.EMAIL_HOST, quick.EMAIL_PORT = "127.0.0.1", port
+        with live_server():
+            eventually(lambda: Webhook.objects.filter(kind="email", active=True).exists())
+            escalate(make_task, agent)
+            eventually(lambda: inbox, timeout=20, what="an email")
+        assert [m["X-Envelope-To"] for m in inbox] == ["ann@example.com"]
+
+
+def test_a_delivery_made_while_the_relay_was_cut_off_is_sent_when_it_reconnects(
+    board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    from django.db import connection
+
+    from board import relay as relay_module
+
+    [relay] = [r for loop, r in relay_module._relays.items() if not loop.is_closed()]
+    with WebhookReceiver() as receiver:
+        hook = transitions.create_webhook(
+            actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
+        )
+        eventually(lambda: relay.connected.is_set(), what="the relay listening")
+        reconnects = relay.reconnects
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [relay.backend_pid])
+        # Its NOTIFY comes while nobody listens: the reconnect must look for it.
+        escalate(make_task, agent)
+        eventually(lambda: relay.reconnects > reconnects, what="the relay reconnected")
+        eventually(lambda: settled(hook) and receiver.accepted(), timeout=10, what="delivery")

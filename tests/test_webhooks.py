@@ -1,0 +1,294 @@
+"""Webhooks: the staff API, and deliveries written with their events (board.transitions,
+migration 0012)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import Client
+from rest_framework.test import APIClient
+
+from board import transitions
+from board.models import Delivery, Webhook
+from tests.factories import UserFactory, grant
+from tests.test_api import assert_error, get, post
+
+pytestmark = pytest.mark.django_db
+API = "/api/v1"
+
+
+@pytest.fixture
+def staff_api(api: Callable[[Any], APIClient], staff: Any) -> APIClient:
+    return api(staff)
+
+
+def add_webhook(client: APIClient, **body: Any) -> dict[str, Any]:
+    response = post(client, "webhooks/", {"url": "https://example.com/hook", **body})
+    assert response.status_code == 201, response.content
+    return dict(response.json())
+
+
+def escalate(make_task: Callable[..., Any], agent: Any, queue: str = "default") -> Any:
+    task = make_task(queue=queue)
+    [held] = transitions.claim(actor=agent, queues=[queue])
+    return transitions.escalate(
+        task_id=task.pk, actor=agent, lease_token=held.lease_token, reason="need a human"
+    )
+
+
+# -- The API -----------------------------------------------------------------------------
+
+
+def test_a_new_webhook_gets_a_generated_secret_shown_once(staff_api: APIClient) -> None:
+    created = add_webhook(staff_api)
+    assert created["events"] == ["escalated"]
+    assert created["queues"] is None
+    assert created["active"] is True
+    assert created["format"] == "json"
+    assert len(created["secret"]) == 64  # 256 random bits, in hex
+    listed = get(staff_api, "webhooks/").json()
+    assert [w["id"] for w in listed["results"]] == [created["id"]]
+    assert "secret" not in listed["results"][0]
+    assert listed["next"] is None
+
+
+def test_a_given_secret_events_queues_and_format_are_kept(staff_api: APIClient) -> None:
+    created = add_webhook(
+        staff_api,
+        events=["failed", "escalated"],
+        queues=["images"],
+        secret="s" * 32,
+        format="slack",
+    )
+    assert (created["events"], created["queues"], created["secret"], created["format"]) == (
+        ["failed", "escalated"],
+        ["images"],
+        "s" * 32,
+        "slack",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"url": "ftp://example.com/x"}, "url"),
+        ({"url": "not a url"}, "url"),
+        ({"url": "http://"}, "url"),
+        ({"url": "http://example.com/a b"}, "url"),
+        ({"url": "http://example.com\n"}, "url"),
+        ({}, "url"),
+        ({"url": "https://example.com", "events": ["exploded"]}, "events"),
+        ({"url": "https://example.com", "events": []}, "events"),
+        ({"url": "https://example.com", "events": "escalated"}, "events"),
+        ({"url": "https://example.com", "queues": ["Not A Queue"]}, "queues"),
+        ({"url": "https://example.com", "secret": ""}, "secret"),
+        ({"url": "https://example.com", "secret": 12345678901234567}, "secret"),
+        ({"url": "https://example.com", "format": "xml"}, "format"),
+    ],
+)
+def test_it_refuses_a_webhook_it_could_not_deliver(
+    staff_api: APIClient, body: dict[str, Any], field: str
+) -> None:
+    error = assert_error(post(staff_api, "webhooks/", body), 400, "invalid")
+    assert field in error["fields"], error
+    assert not Webhook.objects.exists()
+
+
+def test_only_staff_see_or_change_webhooks(
+    api: Callable[[Any], APIClient], agent: Any, staff_api: APIClient
+) -> None:
+    hook = add_webhook(staff_api)
+    agent_api = api(agent)
+    assert_error(post(agent_api, "webhooks/", {"url": "https://example.com"}), 403)
+    assert_error(get(agent_api, "webhooks/"), 403)
+    assert_error(get(agent_api, f"webhooks/{hook['id']}/deliveries/"), 403)
+    assert_error(agent_api.delete(f"{API}/webhooks/{hook['id']}/"), 403)
+    assert_error(get(api(None), "webhooks/"), 401)
+    assert Webhook.objects.filter(pk=hook["id"]).exists()
+
+
+def test_deleting_a_webhook_removes_it_and_its_deliveries(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    hook = add_webhook(staff_api)
+    escalate(make_task, agent)
+    assert Delivery.objects.filter(webhook_id=hook["id"]).count() == 1
+    assert staff_api.delete(f"{API}/webhooks/{hook['id']}/").status_code == 204
+    assert not Webhook.objects.exists() and not Delivery.objects.exists()
+    assert_error(staff_api.delete(f"{API}/webhooks/{hook['id']}/"), 404)
+    assert_error(get(staff_api, f"webhooks/{hook['id']}/deliveries/"), 404)
+
+
+def test_a_webhooks_deliveries_are_listed_newest_first_a_page_at_a_time(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    hook = add_webhook(staff_api)
+    tasks = [escalate(make_task, agent) for _ in range(3)]
+    page = get(staff_api, f"webhooks/{hook['id']}/deliveries/", limit=2).json()
+    assert [d["task_id"] for d in page["results"]] == [tasks[2].pk, tasks[1].pk]
+    first = page["results"][0]
+    assert set(first) >= {
+        "event_id",
+        "attempts",
+        "last_status_code",
+        "last_error",
+        "next_attempt_at",
+        "delivered_at",
+        "status",
+    }
+    assert (first["status"], first["attempts"]) == ("pending", 0)
+    rest = staff_api.get(page["next"]).json()
+    assert [d["task_id"] for d in rest["results"]] == [tasks[0].pk]
+
+
+# -- Deliveries are written with their events ---------------------------------------------
+
+
+def test_a_matching_event_gets_a_delivery_per_matching_webhook(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    everywhere = add_webhook(staff_api)
+    images = add_webhook(staff_api, queues=["images"], events=["escalated", "created"])
+    elsewhere = add_webhook(staff_api, queues=["audio"])
+    task = escalate(make_task, agent, queue="images")
+    escalated = task.events.get(type="escalated")
+    created = task.events.get(type="created")
+    rows = set(Delivery.objects.values_list("webhook_id", "event_id", "task_id", "status"))
+    assert rows == {
+        (everywhere["id"], escalated.pk, task.pk, "pending"),
+        (images["id"], escalated.pk, task.pk, "pending"),
+        (images["id"], created.pk, task.pk, "pending"),
+    }
+    assert not Delivery.objects.filter(webhook_id=elsewhere["id"]).exists()
+
+
+def test_an_event_of_another_type_gets_no_delivery(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    add_webhook(staff_api)  # escalated only
+    task = make_task()
+    [held] = transitions.claim(actor=agent)
+    transitions.complete(task_id=task.pk, actor=agent, lease_token=held.lease_token)
+    assert not Delivery.objects.exists()
+
+
+def test_a_delivery_is_made_in_the_transaction_of_its_event(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    add_webhook(staff_api, events=["commented"])
+    task = make_task()
+
+    class Undo(Exception):
+        pass
+
+    with pytest.raises(Undo), transaction.atomic():
+        transitions.comment(task_id=task.pk, actor=agent, body="rolled back")
+        assert Delivery.objects.count() == 1  # written by the event's own statement
+        raise Undo
+    assert not Delivery.objects.exists()
+
+
+def test_an_inactive_webhook_gets_no_delivery(make_task: Callable[..., Any], agent: Any) -> None:
+    transitions.set_email_channel(active=False)
+    escalate(make_task, agent)
+    assert not Delivery.objects.exists()
+    email = transitions.set_email_channel(active=True)
+    task = escalate(make_task, agent)
+    assert list(Delivery.objects.values_list("webhook_id", "task_id")) == [(email.pk, task.pk)]
+
+
+# -- The admin ---------------------------------------------------------------------------
+
+
+def failed_delivery(staff_api: APIClient, make_task: Callable[..., Any], agent: Any) -> Delivery:
+    add_webhook(staff_api)
+    escalate(make_task, agent)
+    delivery = Delivery.objects.get()
+    [claimed] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    assert claimed.lease_token is not None
+    status = transitions.record_delivery(
+        delivery_id=delivery.pk,
+        lease_token=claimed.lease_token,
+        delivered=False,
+        status_code=500,
+        error="answered 500",
+        retry_in=60,
+        horizon_seconds=1,  # past it at once: failed for good
+    )
+    assert status == "failed"
+    delivery.refresh_from_db()
+    return delivery
+
+
+def test_staff_retry_failed_deliveries_from_the_admin_and_pending_ones_are_skipped(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    failed = failed_delivery(staff_api, make_task, agent)
+    escalate(make_task, agent)
+    pending = Delivery.objects.get(status="pending")
+    client = Client()
+    client.force_login(grant(staff, "board.view_delivery", "board.view_webhook"))
+    page = client.get("/admin/board/delivery/")
+    assert b"answered 500" in page.content and b"Retry the selected failed" in page.content
+
+    response = client.post(
+        "/admin/board/delivery/",
+        {"action": "retry", "_selected_action": [failed.pk, pending.pk]},
+        follow=True,
+    )
+    assert b"Retrying 1 delivery; skipped 1 that had not failed." in response.content
+    failed.refresh_from_db()
+    assert (failed.status, failed.attempts) == ("pending", 0)
+    assert failed.next_attempt_at is not None  # due now (the times tie in one transaction)
+    webhook = client.get(f"/admin/board/webhook/{failed.webhook_id}/change/")
+    assert b"2 pending" in webhook.content and b"0 failed" in webhook.content
+    assert failed.webhook.secret.encode() not in webhook.content
+
+
+def test_the_retry_action_is_for_staff_only(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    failed = failed_delivery(staff_api, make_task, agent)
+    outsider = grant(UserFactory(username="not-staff"), "board.view_delivery")
+    client = Client()
+    client.force_login(outsider)
+    client.post("/admin/board/delivery/", {"action": "retry", "_selected_action": [failed.pk]})
+    failed.refresh_from_db()
+    assert failed.status == "failed"
+
+
+def test_an_outcome_is_recorded_only_under_the_current_lease(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    add_webhook(staff_api)
+    escalate(make_task, agent)
+    [first] = transitions.claim_deliveries(limit=1, lease_seconds=0)  # runs out at once
+    [second] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    assert first.pk == second.pk and first.lease_token != second.lease_token
+    assert first.lease_token is not None and second.lease_token is not None
+    assert transitions.claim_deliveries(limit=1, lease_seconds=30) == []
+    stale = transitions.record_delivery(
+        delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
+    )
+    assert stale is None
+    assert Delivery.objects.get().status == "pending"
+    assert (
+        transitions.record_delivery(
+            delivery_id=second.pk, lease_token=second.lease_token, delivered=True, status_code=204
+        )
+        == "delivered"
+    )
+    assert Delivery.objects.get().attempts == 2
+
+
+def test_delivery_counts_by_result_for_the_metrics(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    from board.deliveries import delivery_counts
+
+    failed_delivery(staff_api, make_task, agent)
+    escalate(make_task, agent)
+    assert delivery_counts() == {"delivered": 0, "retried": 0, "failed": 1, "pending": 1}
