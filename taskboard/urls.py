@@ -4,10 +4,12 @@ from django.contrib import admin
 from django.urls import include, path
 
 from board.health import healthz
+from board.metrics import MetricsView
 
 urlpatterns = [
     path("api/v1/", include("board.api.urls")),
     path("healthz", healthz, name="healthz"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
     path("", include("board.urls")),
