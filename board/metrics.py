@@ -8,15 +8,17 @@ Two kinds of figures, and where each comes from:
   sums; ``event_counters``, migration 0011): a few counter rows and one index step per
   queue, never a scan of tasks or of the event log. They are the whole board's, so every
   server process answers the same, whichever one a scrape reaches.
-- **This process's** (claim latency, waiting claims, open streams, relay lag) live in the
-  server process that answers. Under ``serve --workers N`` a scrape reaches one process of
-  N, so these describe that one (the README says so); the board's figures above do not
-  depend on it, which is why events by type are counted by the database (see migration
-  0011) and not by each process's relay.
+- **The server processes'**: claim latency is observed in the process that made each
+  claim; under ``serve --workers N`` (a scrape reaches one process of N) the workers add
+  it up through prometheus_client's multiprocess mode (taskboard.server), so any worker
+  answers for all. Waiting claims, open streams and relay lag describe the process that
+  answers (the README says so). Events by type are counted by the database (migration
+  0011), not by each process's relay, so that they too are the same from every process.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -26,7 +28,14 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from rest_framework.permissions import BasePermission
@@ -214,14 +223,24 @@ class BoardCollector(Collector):
 
 
 class _Scrape(Collector):
-    """The process's own metrics (the claim histogram, and the library's process and
-    platform collectors) and the board's, as one registry for generate_latest."""
+    """The processes' own metrics (the claim histogram; in one process, also the library's
+    process and platform collectors) and the board's, as one registry for generate_latest.
+
+    Under ``serve --workers N`` (taskboard.server sets PROMETHEUS_MULTIPROC_DIR), every
+    worker keeps its histogram in a file of that directory, and this sums them: whichever
+    worker a scrape reaches, it counts every worker's claims.
+    """
 
     def __init__(self, snap: Snapshot) -> None:
         self.board = BoardCollector(snap)
 
     def collect(self) -> Iterable[Metric]:
-        yield from REGISTRY.collect()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            shared = CollectorRegistry()
+            multiprocess.MultiProcessCollector(shared)
+            yield from shared.collect()
+        else:
+            yield from REGISTRY.collect()
         yield from self.board.collect()
 
 

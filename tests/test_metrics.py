@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 from django.db import connection
@@ -18,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.test import APIClient
 
 from board import transitions
+from tests import processes
 from tests.factories import TokenFactory
 from tests.live import LiveServer, StreamCollector
+from tests.processes import ServeProcess, eventually
 from tests.test_health import assert_unavailable, database_unreachable
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -259,3 +262,63 @@ def test_the_alert_rules_and_scrape_configuration_are_valid_yaml() -> None:
     [job] = scrape_config["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
     assert json.dumps(job)  # plain data all the way down
+
+
+def workers_of(pid: int) -> list[psutil.Process] | None:
+    """The worker processes of ``serve --workers 2`` (multiprocessing's spawn children),
+    once both are up."""
+    workers = [
+        child
+        for child in psutil.Process(pid).children(recursive=True)
+        if "spawn_main" in " ".join(child.cmdline())
+    ]
+    return workers if len(workers) == 2 else None
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_under_serve_workers_every_worker_counts_every_workers_claims(
+    tmp_path: Path, staff: Any, agent: Any
+) -> None:
+    headers = {"Authorization": f"Bearer {TokenFactory(user=staff).key}"}
+    agent_headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    for n in range(5):
+        transitions.create(actor=agent, title=f"task {n}")
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--workers",
+        "2",
+        env={"DATABASE_URL": processes.tests_database_url(), "TASKBOARD_METRICS_PUBLIC": "false"},
+    ).wait_healthy()
+    try:
+        first, second = eventually(lambda: workers_of(server.pid), what="two workers")
+
+        def claims_counted() -> float:
+            # A new connection per request: the worker that is not stopped answers it.
+            response = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+            for family in text_string_to_metric_families(response.text):
+                for sample in family.samples:
+                    if sample.name == "taskboard_claim_duration_seconds_count":
+                        return sample.value
+            raise AssertionError("no claim histogram")
+
+        # Every claim is made by the first worker, while the second is stopped...
+        second.suspend()
+        try:
+            for _ in range(5):
+                response = httpx.post(
+                    f"{server.url}/api/v1/tasks/claim/", json={}, headers=agent_headers, timeout=10
+                )
+                assert response.status_code == 200 and response.json()["tasks"]
+            assert claims_counted() == 5
+        finally:
+            second.resume()
+        # ...and the second, answering alone, counts them all the same.
+        first.suspend()
+        try:
+            assert claims_counted() == 5
+        finally:
+            first.resume()
+    finally:
+        server.stop()
