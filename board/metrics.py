@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,16 +54,6 @@ CLAIM_SECONDS = Histogram(
 )
 
 
-@contextmanager
-def timing_claim() -> Iterator[None]:
-    """Observe the time the block takes in the claim latency histogram."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        CLAIM_SECONDS.observe(time.perf_counter() - start)
-
-
 @dataclass
 class RelayState:
     connected: bool
@@ -90,10 +79,10 @@ def _relay_states() -> list[RelayState]:
     This runs in a worker thread while the relay runs on the event loop: it only reads
     the relay's cursor (one reference, replaced whole on each delivery) and its flag.
     """
-    from board.relay import _relays
+    from board.relay import running_relays
 
     states = []
-    for relay in list(_relays.values()):
+    for relay in running_relays():
         head = relay.head
         if head is None:
             continue
@@ -106,10 +95,10 @@ def _relay_states() -> list[RelayState]:
 
 
 def _waiting_claims() -> int:
-    from board.relay import _relays
+    from board.relay import running_relays
 
     total = 0
-    for relay in list(_relays.values()):
+    for relay in running_relays():
         room = getattr(relay, "waiting_room", None)
         if room is not None:
             total += len(room.waiters)
@@ -117,9 +106,9 @@ def _waiting_claims() -> int:
 
 
 def _open_streams() -> int:
-    from board.stream import _open_streams as streams
+    from board.stream import open_stream_count
 
-    return sum(len(open_) for open_ in list(streams.values()))
+    return open_stream_count()
 
 
 def snapshot() -> Snapshot:

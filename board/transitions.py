@@ -268,7 +268,7 @@ def claim(
         "lease_seconds": lease_seconds or conf.lease_seconds(),
     }
     claims: list[Claim] = []
-    with metrics.timing_claim():
+    with metrics.CLAIM_SECONDS.time():
         # Each round is one statement, hence one transaction of its own: the usual claim is
         # a single round trip. Only a round that escalated a candidate is followed by another.
         while len(claims) < limit:
