@@ -534,3 +534,29 @@ class DeliveryResult(models.Model):
 
     def __str__(self) -> str:
         return f"{self.result}: {self.count}"
+
+
+class EventCounter(models.Model):
+    """One shard of how many events of one type were ever written: the counter behind
+    ``taskboard_events_total`` on ``/metrics`` (board.metrics).
+
+    Written only by the statement trigger on task_events (migration 0013), sharded like
+    QueueCounter so that concurrent transitions never wait for each other here; read by
+    board.metrics, which sums the shards. Kept by the database rather than counted by each
+    server process, so that every process of ``serve --workers N`` (one scrape reaches
+    one of them) and every restart answers the same, monotonic figure.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    type = models.CharField(max_length=20)
+    shard = models.IntegerField()
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "event_counters"
+        constraints = [
+            models.UniqueConstraint(fields=["type", "shard"], name="event_counters_shard")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.type}/{self.shard}"

@@ -462,6 +462,12 @@ async def get_relay() -> Relay:
     return relay
 
 
+def running_relays() -> list[Relay]:
+    """Return the relays of this process (one per event loop), for /metrics (board.metrics),
+    which reads their cursor and state from a worker thread."""
+    return list(_relays.values())
+
+
 async def stop_relays() -> None:
     """Stop the relay of the running event loop, ending its streams (ASGI shutdown)."""
     relay = _relays.pop(asyncio.get_running_loop(), None)

@@ -166,6 +166,11 @@ _rechecking: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[N
 )
 
 
+def open_stream_count() -> int:
+    """Return how many streams this process has open (for /metrics, board.metrics)."""
+    return sum(len(streams) for streams in list(_open_streams.values()))
+
+
 def recheck_seconds() -> float:
     return max(1.0, float(settings.TASKBOARD_TOKEN_CACHE_SECONDS))
 

@@ -49,7 +49,7 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from django.db.models import JSONField, Model
 from psycopg.types.json import Jsonb
 
-from board import conf
+from board import conf, metrics
 from board.exceptions import (
     IdempotencyConflict,
     InvalidTransition,
@@ -285,15 +285,16 @@ def claim(
         "lease_seconds": lease_seconds or conf.lease_seconds(),
     }
     claims: list[Claim] = []
-    # Each round is one statement, hence one transaction of its own: the usual claim is a
-    # single round trip. Only a round that escalated a candidate is followed by another.
-    while len(claims) < limit:
-        rows = _rows("claim", {**params, "limit": limit - len(claims)})
-        claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
-        # An escalation may have cost this round a candidate: look again, since every
-        # round that escalates removes a task from the claimable set for good.
-        if not any(row["escalates"] for row in rows):
-            break
+    with metrics.CLAIM_SECONDS.time():
+        # Each round is one statement, hence one transaction of its own: the usual claim is
+        # a single round trip. Only a round that escalated a candidate is followed by another.
+        while len(claims) < limit:
+            rows = _rows("claim", {**params, "limit": limit - len(claims)})
+            claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
+            # An escalation may have cost this round a candidate: look again, since every
+            # round that escalates removes a task from the claimable set for good.
+            if not any(row["escalates"] for row in rows):
+                break
     return claims
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -56,10 +58,12 @@ def run(config: Config) -> None:
     (``uvicorn.run`` takes keyword arguments and makes its own Config; this takes ours.)
     """
     server = uvicorn.Server(config)
+    metrics_dir: str | None = None
     try:
         if config.workers > 1:
             # The processes learn that they share the port (settings: /mcp/ refuses then).
             os.environ["TASKBOARD_SERVE_WORKERS"] = str(config.workers)
+            metrics_dir = _share_metrics()
             Multiprocess(config, sockets=[config.bind_socket()]).run()
         else:
             server.run()
@@ -68,8 +72,27 @@ def run(config: Config) -> None:
     finally:
         if config.uds and os.path.exists(config.uds):
             os.remove(config.uds)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     if config.workers == 1 and not server.started:
         sys.exit(STARTUP_FAILURE)
+
+
+def _share_metrics() -> str | None:
+    """Let the worker processes add up what they measure for ``/metrics``; return the
+    directory to remove when they have stopped (None: the operator's own).
+
+    A scrape reaches one worker of N, and the claim latency histogram lives in the process
+    that made each claim. prometheus_client's multiprocess mode, turned on by
+    ``PROMETHEUS_MULTIPROC_DIR`` in the workers' environment (they are started after this,
+    and read it when they first import the library), keeps each process's values in a file
+    there, and a scrape of any worker sums them all (board.metrics). A fresh directory per
+    ``serve``, so that no count of an earlier run is added in.
+    """
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="taskboard-metrics-")
+    return os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def on_exit_signal(callback: Callable[[], None]) -> None:

@@ -279,6 +279,10 @@ TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
 
+# GET /metrics (board.metrics) answers anyone when true; otherwise staff only (a staff
+# user's API token, or a staff session), as the API authenticates.
+TASKBOARD_METRICS_PUBLIC = env_bool("TASKBOARD_METRICS_PUBLIC", False)
+
 # Failed authentications (401s, failed logins) an address may make in a window of this
 # many seconds; past them it is answered 429 until the window ends (access.throttle).
 # 0: no throttle.

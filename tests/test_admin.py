@@ -7,7 +7,9 @@ board.transitions. The admin itself must only ever call the transitions.
 
 from __future__ import annotations
 
+import html
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1010,3 +1012,128 @@ def test_staff_limited_to_queues_see_and_pause_only_their_queues_in_the_admin(
     assert {p.queue for p in log.context["cl"].result_list} == {"ours"}
     assert QueueState.objects.get(name="ours").paused is True
     assert QueueState.objects.get(name="theirs").paused is False
+
+
+# -- The admin as a place people work: history, the event table, favicon ------------------
+
+
+def history_url(task_id: int) -> str:
+    return reverse("admin:escalations_escalatedtask_history", args=[task_id])
+
+
+def heartbeating(make_task: Callable[..., Task], agent: Any, beats: int) -> Task:
+    """A task whose holder heartbeat ``beats`` times, commented, beat twice, then failed
+    it for good (escalated)."""
+    task = make_task(title="resize images", queue=f"q-{next(_queue_names)}", max_failures=1)
+    [claim] = transitions.claim(actor=agent, queues=[task.queue])
+    for n in range(beats):
+        transitions.heartbeat(
+            task_id=task.pk, actor=agent, lease_token=claim.lease_token, progress={"done": n}
+        )
+    transitions.comment(task_id=task.pk, actor=agent, body="half way")
+    for _ in range(2):
+        transitions.heartbeat(task_id=task.pk, actor=agent, lease_token=claim.lease_token)
+    return transitions.fail(task_id=task.pk, actor=agent, lease_token=claim.lease_token, error="x")
+
+
+def rows_of(page: str) -> list[str]:
+    """The event table's rows, as the words a reader sees in each."""
+    table = page.split('<table class="event-history">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr class=\"event-[^\"]*\"[^>]*>(.*?)</tr>", table, re.S)
+    return [" ".join(html.unescape(re.sub(r"<[^>]+>", " ", row)).split()) for row in rows]
+
+
+def test_the_history_button_leads_to_the_tasks_event_history(
+    triager_client: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = heartbeating(make_task, agent, beats=3)
+
+    page = triager_client.get(change_url(task.pk)).content.decode()
+    response = triager_client.get(history_url(task.pk))
+
+    assert f'href="{history_url(task.pk)}"' in page
+    assert response.status_code == 200
+    history_page = response.content.decode()
+    assert "have a change history" not in history_page
+    assert f"Event history: #{task.pk} resize images" in history_page
+    assert [row.split()[1] for row in rows_of(history_page)] == [
+        "created", "claimed", "3", "commented", "2", "failed", "escalated",
+    ]  # fmt: skip
+
+
+def test_the_history_of_a_task_the_user_may_not_see_is_not_shown(
+    staff: Any, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(queue="billing")
+    grant(staff, "view_escalatedtask")
+    limit_queues(staff, ["support"])
+
+    response = logged_in(staff).get(history_url(task.pk))
+
+    assert response.status_code == 302
+    assert "resize" not in response.content.decode()
+
+
+def test_consecutive_heartbeats_are_one_row_of_the_event_table_while_the_api_keeps_each(
+    triager_client: Client, make_task: Callable[..., Task], agent: Any, api: Any
+) -> None:
+    task = heartbeating(make_task, agent, beats=12)
+
+    page = triager_client.get(change_url(task.pk)).content.decode()
+    rows = rows_of(page)
+    events = api(agent).get(f"/api/v1/tasks/{task.pk}/events/").json()["results"]
+
+    first, last = (
+        TaskEvent.objects.filter(task=task, type="heartbeat").order_by("id")[i] for i in (0, 11)
+    )
+    assert rows[2].startswith(f"{first.pk}\u2013{last.pk} 12 heartbeats in progress agent-smith")
+    assert 'progress {"done": 11}' in rows[2], "the run shows its last heartbeat's data"
+    assert rows[4].startswith(f"{last.pk + 2}\u2013{last.pk + 3} 2 heartbeats")
+    assert len(rows) == 7
+    assert [event["type"] for event in events].count("heartbeat") == 14
+
+
+def test_the_event_table_has_no_caption_on_every_row(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    page = triager_client.get(change_url(task.pk)).content.decode()
+
+    for event in TaskEvent.objects.filter(task=task):
+        assert str(event) not in page
+    assert len(rows_of(page)) == 4
+
+
+def test_triage_and_the_comment_form_sit_side_by_side_before_the_history(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+
+    page = triager_client.get(change_url(task.pk)).content.decode()
+
+    panel = page.split('<div class="task-work"', 1)[1].split('<table class="event-history">')[0]
+    assert 'class="module triage-module"' in panel
+    assert 'class="module comment-module"' in panel
+    assert 'form="requeue-form"' in panel and 'form="comment-form"' in panel
+    assert f'<form id="requeue-form" method="post" action="{button_url(task.pk, "requeue")}"' in (
+        page
+    )
+    assert f'<form id="comment-form" method="post" action="{comment_url(task.pk)}"' in page
+
+
+def test_every_admin_page_and_the_old_favicon_address_lead_to_the_boards_icon(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated()
+    icon = '<link rel="icon" href="/static/board/favicon.svg" type="image/svg+xml">'
+
+    for url in (QUEUE_URL, change_url(task.pk), history_url(task.pk)):
+        assert icon in triager_client.get(url).content.decode(), url
+    assert icon in Client().get("/admin/login/").content.decode()
+    legacy = Client().get("/favicon.ico")
+    served = Client().get(legacy["Location"])
+
+    assert legacy.status_code == 301
+    assert served.status_code == 200
+    assert served["Content-Type"].startswith("image/svg+xml")

@@ -347,6 +347,42 @@ def test_the_task_page_shows_the_task_its_payload_its_result_and_its_timeline_ol
     assert isinstance(state["resume_id"], int)
 
 
+def test_the_task_page_shows_consecutive_heartbeats_of_one_holder_as_one_entry(
+    browser: Client, make_task: Callable[..., Task], agent: Any, other_agent: Any
+) -> None:
+    task = make_task(title="long job")
+    [claim] = transitions.claim(actor=agent)
+    for n in range(12):
+        transitions.heartbeat(
+            task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"done": n}
+        )
+    transitions.comment(task_id=task.id, actor=agent, body="slow going")
+    transitions.heartbeat(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+    transitions.release(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+    [claim] = transitions.claim(actor=other_agent)
+    for _ in range(2):
+        transitions.heartbeat(task_id=task.id, actor=other_agent, lease_token=claim.lease_token)
+
+    html = browser.get(f"/tasks/{task.id}/").content.decode()
+
+    types = re.findall(r'<span class="event-type">([^<]+)</span>', html)
+    assert types == [
+        "created", "claimed", "12 heartbeats", "commented", "heartbeat", "released", "claimed",
+        "2 heartbeats",
+    ]  # fmt: skip
+    heartbeats = TaskEvent.objects.filter(task=task, type="heartbeat").order_by("id")
+    beats = [str(id_) for id_ in heartbeats.values_list("id", flat=True)]
+    run = (
+        f'data-event-id="{beats[11]}" data-actor="agent-smith" '
+        f'data-event-ids="{" ".join(beats[:12])}"'
+    )
+    assert run in html, "the run is the last heartbeat's entry, and names every event in it"
+    assert "{&quot;done&quot;: 11}" in html, "with the last heartbeat's progress"
+    assert "{&quot;done&quot;: 10}" not in html
+    count = re.search(r'data-field="event-count">(\d+)<', html)
+    assert count and int(count.group(1)) == TaskEvent.objects.filter(task=task).count() == 20
+
+
 def test_the_task_page_of_a_task_in_progress_shows_its_holder_and_lease(
     browser: Client, make_task: Callable[..., Task], agent: Any
 ) -> None:

@@ -263,15 +263,31 @@ def test_the_lease_countdown_turns_to_stalled_when_the_lease_runs_out(
     assert Task.objects.get(pk=task.id).status == "in_progress", "nothing but a claim expires it"
 
 
+def claim_on_the_board(
+    page: Page, person: Any, make_task: Callable[..., Task], settings: Any
+) -> Task:
+    """Log ``person`` in and claim a new task on the board, with a 3 s lease (the page
+    heartbeats every second); return the task once the page shows it as the person's."""
+    settings.TASKBOARD_LEASE_SECONDS = 3
+    task = make_task(title="Review the contract")
+    log_in(page, person)
+    page.get_by_role("button", name="Claim next").click()
+    expect(card(page, "in_progress", task.id)).to_have_class(re.compile(r"\bmine\b"))
+    return task
+
+
+def take_the_lease_from_the_page(page: Page, task_id: int) -> None:
+    """Give the page another holder's token, as if the lease had gone to someone else."""
+    page.evaluate(
+        "([key, token]) => sessionStorage.setItem(key, JSON.stringify({token, seconds: 3}))",
+        [f"taskboard.lease.{task_id}", str(uuid.uuid4())],
+    )
+
+
 def test_the_open_board_keeps_a_persons_lease_alive_and_says_when_it_is_lost(
     page: Page, person: Any, make_task: Callable[..., Task], settings: Any
 ) -> None:
-    settings.TASKBOARD_LEASE_SECONDS = 3  # a heartbeat every second
-    task = make_task(title="Review the contract")
-    log_in(page, person)
-
-    page.get_by_role("button", name="Claim next").click()
-    expect(card(page, "in_progress", task.id)).to_have_class(re.compile(r"\bmine\b"))
+    task = claim_on_the_board(page, person, make_task, settings)
     time.sleep(4.5)  # longer than the lease
 
     held = Task.objects.get(pk=task.id)
@@ -279,14 +295,26 @@ def test_the_open_board_keeps_a_persons_lease_alive_and_says_when_it_is_lost(
     assert held.leased_until is not None and held.leased_until > timezone.now()
     assert TaskEvent.objects.filter(task=task, type="heartbeat", actor="pat").count() >= 2
 
-    # Another holder's token, as if the lease had gone to someone else.
-    page.evaluate(
-        "([key, token]) => sessionStorage.setItem(key, JSON.stringify({token, seconds: 3}))",
-        [f"taskboard.lease.{task.id}", str(uuid.uuid4())],
-    )
+    take_the_lease_from_the_page(page, task.id)
 
     expect(page.get_by_role("alert")).to_contain_text(f"You lost the lease on #{task.id}")
     expect(card(page, "in_progress", task.id)).to_contain_text("Lease lost")
+
+
+def test_the_lost_lease_warning_clears_once_the_task_is_finished(
+    page: Page, person: Any, make_task: Callable[..., Task], settings: Any
+) -> None:
+    task = claim_on_the_board(page, person, make_task, settings)
+    real_token = str(Task.objects.get(pk=task.id).lease_token)
+    take_the_lease_from_the_page(page, task.id)
+    warning = page.get_by_role("alert").filter(has_text=f"You lost the lease on #{task.id}")
+    expect(warning).to_be_visible()
+
+    # Whoever holds it now finishes it: nobody works on it any more.
+    transitions.complete(task_id=task.id, actor=person, lease_token=real_token)
+
+    expect(card(page, "finished", task.id)).to_be_visible()
+    expect(warning).to_have_count(0)
 
 
 def test_the_task_page_shows_the_timeline_growing_live(

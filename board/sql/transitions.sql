@@ -581,8 +581,9 @@ WITH done AS (
     WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
     RETURNING id
 ), counted AS (
-    UPDATE delivery_results SET count = count + 1
-    WHERE result = 'delivered' AND EXISTS (SELECT 1 FROM done)
+    INSERT INTO delivery_results AS r (result, count)
+    SELECT 'delivered', count(*) FROM done HAVING count(*) > 0
+    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
 )
 SELECT id FROM done;
 
@@ -605,9 +606,9 @@ WITH outcome AS (
     WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
     RETURNING id, status
 ), counted AS (
-    UPDATE delivery_results r SET count = r.count + 1
-    FROM outcome o
-    WHERE r.result = CASE WHEN o.status = 'failed' THEN 'failed' ELSE 'retried' END
+    INSERT INTO delivery_results AS r (result, count)
+    SELECT CASE WHEN o.status = 'failed' THEN 'failed' ELSE 'retried' END, 1 FROM outcome o
+    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
 )
 SELECT id, status FROM outcome;
 

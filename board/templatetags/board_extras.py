@@ -68,3 +68,23 @@ def blockers_for(task: Any, dependencies: dict[int, dict[str, Any]]) -> list[dic
 def compact_json(value: Any) -> str:
     """Return ``value`` as JSON on one line, keys sorted."""
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+@register.filter(name="timeline")
+def timeline_filter(events: Any) -> list[Any]:
+    """Return a task's events (oldest first) as board.timeline entries: heartbeat runs
+    folded into one."""
+    from board.timeline import timeline
+
+    return timeline(events)
+
+
+@register.filter
+def parse_time(value: str) -> datetime | str:
+    """Return a timestamp string of a payload as a datetime (for ``date``), else as is."""
+    from django.utils.dateparse import parse_datetime
+
+    try:
+        return parse_datetime(value) or value
+    except ValueError:
+        return value

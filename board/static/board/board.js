@@ -104,11 +104,17 @@
       const iso = node.getAttribute("datetime");
       if (!iso || Number.isNaN(Date.parse(iso))) continue;
       node.title = absolute(iso);
-      node.textContent = node.closest(".card-meta, .event-head, .glance-table")
-        ? relative(iso)
-        : absolute(iso);
+      if (node.hasAttribute("data-clock")) node.textContent = clock(iso, node.closest("[data-seconds]"));
+      else if (node.closest(".card-meta, .event-head, .glance-table")) node.textContent = relative(iso);
+      else node.textContent = absolute(iso);
     }
   }
+
+  /** The time of day, as a run of heartbeats shows its first and last ("10:02–10:06"). */
+  const clock = (iso, seconds) =>
+    new Date(iso).toLocaleTimeString(undefined, {
+      hour: "2-digit", minute: "2-digit", second: seconds ? "2-digit" : undefined,
+    });
 
   /** Update lease countdowns; a lease past its deadline shows "stalled". */
   function refreshLeases(root = document) {
@@ -215,6 +221,7 @@
     prefix: "taskboard.lease.",
     timers: new Map(),
     lost: new Set(), // tasks whose lease this tab lost
+    notices: new Map(), // the sticky "you lost the lease" notice of each of them
     settling: new Set(), // tasks this tab just completed, failed or released
     onChange: () => {},
 
@@ -273,15 +280,25 @@
       if (!this.get(id)) return;
       this.forget(id);
       this.lost.add(id);
-      notify(`You lost the lease on #${id}: stop working on it. ${detail}`, {
+      this.notices.get(id)?.remove();
+      this.notices.set(id, notify(`You lost the lease on #${id}: stop working on it. ${detail}`, {
         kind: "error", sticky: true,
-      });
+      }));
       this.onChange(id);
+    },
+
+    /** The task is finished (done or cancelled): nobody works on it any more, so the
+     * warning about its lost lease is stale. */
+    finished(id) {
+      this.notices.get(id)?.remove();
+      this.notices.delete(id);
+      this.lost.delete(id);
     },
 
     /** Check a task's event against this tab's lease: a new holder or an expiry means a
      * beat now, which the server answers with 409 if the lease is really gone. */
     check(task, event) {
+      if (FINISHED.has(task.status)) this.finished(task.id);
       if (!this.get(task.id)) return;
       if (task.status === "in_progress" && task.leased_by === ME) return;
       if (event.actor === ME && event.type !== "claimed") this.forget(task.id);
@@ -290,6 +307,7 @@
   };
 
   const PAST = { complete: "Completed", fail: "Failed", release: "Released" };
+  const FINISHED = new Set(["done", "cancelled"]);
 
   /** Complete, fail or release a task this tab holds. */
   async function act(id, verb, body, box) {
@@ -968,19 +986,51 @@
     }));
   }
 
-  function renderEvent(event) {
+  /** A timeline entry: ``event``, or with ``run`` ({ids, firstAt}) the last heartbeat of a
+   * run shown as one ("12 heartbeats, 10:02–10:06"), as board/timeline.py draws it. */
+  function renderEvent(event, run = null) {
     const payload = event.payload || {};
-    return h("li", {
-      class: `event event-${event.type} new`, id: `event-${event.id}`, dataset: { eventId: event.id },
+    const dataset = { eventId: event.id, actor: event.actor };
+    if (run) Object.assign(dataset, { eventIds: run.ids.join(" "), firstAt: run.firstAt });
+    const when = run
+      ? h("span", {
+        class: "event-span",
+        // A run within one minute shows seconds, where "10:02–10:02" would say nothing.
+        "data-seconds": Math.floor(Date.parse(run.firstAt) / 60000)
+          === Math.floor(Date.parse(event.created_at) / 60000) ? "" : null,
+      },
+        h("time", { datetime: run.firstAt, "data-clock": "" }), "–",
+        h("time", { datetime: event.created_at, "data-clock": "" }))
+      : timeElement(event.created_at);
+    const item = h("li", {
+      class: `event event-${event.type}${run ? " event-run" : ""} new`, id: `event-${event.id}`, dataset,
     },
       h("div", { class: "event-head" },
-        h("span", { class: "event-type" }, event.type),
+        h("span", { class: "event-type" }, run ? `${run.ids.length} heartbeats` : event.type),
         h("span", { class: "event-actor" }, "by ", h("b", {}, event.actor)),
         h("span", { class: `badge badge-${event.status}` }, label(event.status)),
-        timeElement(event.created_at)),
+        when),
       event.type === "commented"
         ? h("p", { class: "comment-body" }, String(payload.body ?? ""))
         : eventData(payload));
+    if (run) refreshTimes(item);
+    return item;
+  }
+
+  /** The ids of the events a timeline entry stands for (a run of heartbeats: all of them). */
+  const entryIds = (item) => (item.dataset.eventIds ?? item.dataset.eventId).split(" ").map(Number);
+
+  /** Add ``event`` to a task's timeline; a heartbeat that follows one of the same holder
+   * joins it (or its run), as the server draws the page. The API keeps every event. */
+  function addToTimeline(timeline, event) {
+    const last = timeline.lastElementChild;
+    if (event.type === "heartbeat" && last?.classList.contains("event-heartbeat")
+        && last.dataset.actor === event.actor) {
+      const firstAt = last.dataset.firstAt ?? last.querySelector("time")?.getAttribute("datetime");
+      last.replaceWith(renderEvent(event, { ids: [...entryIds(last), event.id], firstAt }));
+      return;
+    }
+    timeline.append(renderEvent(event));
   }
 
   /** A related task on a task's page: link, status, blocked, and a child's progress. */
@@ -1004,7 +1054,7 @@
     const seen = eventIds(STATE.skip);
     const timeline = document.querySelector("[data-timeline]");
     const field = (name) => document.querySelector(`[data-field="${name}"]`);
-    for (const item of timeline.children) seen.add(Number(item.dataset.eventId));
+    for (const item of timeline.children) for (const id of entryIds(item)) seen.add(id);
 
     const relations = STATE.relations ?? { parent: null, children: [], dependencies: [], dependents: [] };
     // Every related task by id (one task may be in two lists), kept current by events.
@@ -1088,7 +1138,8 @@
       field("result").hidden = !hasResult;
       field("result").textContent = hasResult ? prettyJSON(task.result) : "";
       field("no-result").hidden = hasResult;
-      field("event-count").textContent = timeline.children.length;
+      field("event-count").textContent = [...timeline.children]
+        .reduce((sum, item) => sum + entryIds(item).length, 0);
       refreshLeases();
       refreshTimes();
     }
@@ -1100,7 +1151,7 @@
       }
       if (seen.has(event.id)) return;
       seen.add(event.id);
-      timeline.append(renderEvent(event));
+      addToTimeline(timeline, event);
       applyToTask(task, event);
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
