@@ -23,17 +23,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.django_db(transact
 TASKS = 1_500
 
 
-def relay_backend_pid() -> int:
-    """Return the pid of the relay's LISTEN session: the first "taskboard-relay" session
-    (its replay pool, named alike, connects later and only to replay)."""
+def relay_sessions() -> set[int]:
+    """Return the pids of the "taskboard-relay" sessions: each server's relay LISTEN session
+    (it starts with the server), and the replay pools' (named alike, they connect only to
+    replay old events)."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name = 'taskboard-relay' ORDER BY backend_start LIMIT 1"
+            "AND application_name = 'taskboard-relay'"
         )
-        row = cursor.fetchone()
-    assert row is not None, "no relay session"
-    return int(row[0])
+        return {int(row[0]) for row in cursor.fetchall()}
 
 
 @contextmanager
@@ -50,7 +49,11 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
     start_serve: Callable[..., ServeProcess], token_for: Callable[[str], str]
 ) -> None:
     headers = {"Authorization": f"Bearer {token_for('agent-under-load')}"}
-    a, b = start_serve(), start_serve()
+    a = start_serve()
+    before = relay_sessions()
+    b = start_serve()
+    # B's relay: the session that B's start added.
+    [relay_pid] = eventually(lambda: relay_sessions() - before, what="B's relay")
     client = httpx.Client(base_url=f"{a.url}/api/v1", headers=headers, timeout=30)
 
     def create(title: str) -> int:
@@ -62,7 +65,6 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
     with StreamCollector(f"{b.url}/api/v1/stream/", headers) as warm:
         create("warm up")
         warm.get(timeout=10)
-    relay_pid = relay_backend_pid()
     if not psutil.pid_exists(relay_pid):
         pytest.skip("the database server is not on this machine: its session cannot be stopped")
 
