@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
 from access import tokens
-from taskboard import server
+from taskboard import pushpin, server
 
 
 def uses_embedded_database() -> bool:
@@ -33,6 +34,18 @@ class Command(BaseCommand):
             help="server processes (each with its own event relay); default 1",
         )
         parser.add_argument("--no-migrate", action="store_true", help="skip migrations")
+        parser.add_argument(
+            "--pushpin",
+            action="store_true",
+            help="put Pushpin (Debian's pushpin package) on --port, in front of the server "
+            "processes, which then listen on 127.0.0.1:--origin-port",
+        )
+        parser.add_argument(
+            "--origin-port",
+            type=int,
+            default=0,
+            help="with --pushpin: the private port of the server processes (default: a free one)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not options["no_migrate"]:
@@ -41,6 +54,16 @@ class Command(BaseCommand):
         if uses_embedded_database():
             self.first_run_accounts()
         base = f"http://{_display_host(options['host'])}:{options['port']}"
+        host, port = options["host"], options["port"]
+        edge: pushpin.Pushpin | None = None
+        if options["pushpin"]:
+            host, port = "127.0.0.1", options["origin_port"] or free_port()
+            try:
+                origin = f"{host}:{port}"
+                directory = settings.DATA_DIR / "pushpin"
+                edge = pushpin.Pushpin(directory, http_port=options["port"], origin=origin).start()
+            except pushpin.PushpinUnavailable as exc:
+                raise CommandError(str(exc)) from exc
         self.stdout.write(
             "\n".join(
                 [
@@ -50,6 +73,11 @@ class Command(BaseCommand):
                     f"  API docs    {base}/api/v1/docs/",
                     f"  Health      {base}/healthz",
                     f"  Database    {_database_description()}",
+                    *(
+                        [f"  Pushpin     port {options['port']}, to the server on {host}:{port}"]
+                        if edge
+                        else []
+                    ),
                     "",
                 ]
             )
@@ -57,8 +85,8 @@ class Command(BaseCommand):
         self.stdout.flush()
         config = server.Config(
             "taskboard.asgi:application",
-            host=options["host"],
-            port=options["port"],
+            host=host,
+            port=port,
             workers=options["workers"],
             lifespan="on",
             # Requests in progress get this long on shutdown (streams end at once).
@@ -67,7 +95,11 @@ class Command(BaseCommand):
             proxy_headers=True,
             server_header=False,
         )
-        server.run(config)
+        try:
+            server.run(config)
+        finally:
+            if edge is not None:
+                edge.stop()
 
     def first_run_accounts(self) -> None:
         """On a new embedded database, create ``admin`` and ``demo-agent`` and print their
@@ -87,6 +119,12 @@ class Command(BaseCommand):
         )
         self.stdout.write(f"  admin       password {password}")
         self.stdout.write(f"  demo-agent  token    {token.key}")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _display_host(host: str) -> str:

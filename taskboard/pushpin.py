@@ -1,0 +1,161 @@
+"""Pushpin in front of ``taskboard serve`` (``serve --pushpin``): the board's processes
+behind one public port, in one command.
+
+Pushpin (Debian's ``pushpin`` package) is started with the configuration kept in the
+repository (``deploy/pushpin/``), rendered into ``TASKBOARD_DATA_DIR/pushpin``, and kept
+running for as long as the server runs: if it dies, it is started again (what a process
+manager would do for the system service). Browsers' streams then resume with
+``Last-Event-ID`` through the new Pushpin, so nothing is missed or repeated.
+
+Pushpin only passes requests through here (no GRIP instructions yet): it is the public
+listener, the board's N processes (``--workers N``) share one private port behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "deploy" / "pushpin"
+# Pushpin's internal TCP ports (the handler's), before the offset: 5560 to 5563.
+INTERNAL_PORTS = range(5560, 5564)
+
+
+class PushpinUnavailable(RuntimeError):
+    """Pushpin is not installed, or could not start."""
+
+
+def render(directory: Path, *, http_port: int, origin: str, port_offset: int) -> Path:
+    """Write ``pushpin.conf`` and ``routes`` for one board into ``directory``; return the
+    configuration's path."""
+    for sub in ("run", "log"):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    values = {
+        "rundir": str(directory / "run"),
+        "logdir": str(directory / "log"),
+        "http_port": str(http_port),
+        "port_offset": str(port_offset),
+        "sig_key": secrets.token_urlsafe(32),
+        "origin": origin,
+    }
+    for name in ("pushpin.conf", "routes"):
+        text = (TEMPLATES / name).read_text()
+        for key, value in values.items():
+            text = text.replace("{{" + key + "}}", value)
+        (directory / name).write_text(text)
+    return directory / "pushpin.conf"
+
+
+def free_port_offset(host: str = "127.0.0.1") -> int:
+    """Return an offset (a multiple of 10 from 100) at which Pushpin's internal ports are
+    free, so that several boards (or a system Pushpin) can share a host."""
+    for offset in range(100, 10_000, 10):
+        if all(_is_free(host, port + offset) for port in INTERNAL_PORTS):
+            return offset
+    raise PushpinUnavailable("no free ports for Pushpin's internal sockets")
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Pushpin:
+    """One Pushpin (its runner starts condure, zurl, the proxy and the handler), started
+    again when it dies, stopped with :meth:`stop`."""
+
+    def __init__(self, directory: Path, *, http_port: int, origin: str) -> None:
+        executable = shutil.which("pushpin")
+        if executable is None:
+            raise PushpinUnavailable("pushpin is not installed (Debian: apt-get install pushpin)")
+        self.executable = executable
+        self.directory = directory
+        self.http_port = http_port
+        self.origin = origin
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> Pushpin:
+        self._kill_services()  # left behind by a server that was killed
+        self._spawn()
+        self._watcher = threading.Thread(target=self._watch, name="pushpin-watcher", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _spawn(self) -> None:
+        config = render(
+            self.directory,
+            http_port=self.http_port,
+            origin=self.origin,
+            port_offset=free_port_offset(),
+        )
+        with (self.directory / "log" / "pushpin.out").open("ab") as out:
+            self.process = subprocess.Popen(
+                [self.executable, "--config", str(config)],
+                cwd=self.directory,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            process = self.process
+            assert process is not None
+            code = process.wait()
+            if self._stopping.is_set():
+                return
+            logger.warning("pushpin exited (status %s); starting it again", code)
+            self._kill_services()
+            self.restarts += 1
+            time.sleep(0.5)
+            if not self._stopping.is_set():
+                self._spawn()
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop Pushpin and every process it started."""
+        self._stopping.set()
+        process = self.process
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout)
+        self._kill_services()
+
+    def _kill_services(self) -> None:
+        """Kill the runner and the services it started for this board (condure, zurl, the
+        proxy, the handler), found by their configuration's directory on their command
+        line: the runner puts them in process groups of their own, and a killed runner
+        leaves them behind, holding the port."""
+        mine = str(self.directory)
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if any(mine in part for part in process.info["cmdline"] or ()):
+                    found.append(process)
+        for process in found:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, alive = psutil.wait_procs(found, timeout=5)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=5)

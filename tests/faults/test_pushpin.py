@@ -1,0 +1,217 @@
+"""The board as N processes behind a real Pushpin (``taskboard serve --pushpin --workers
+2``), with 500 SSE clients spread over the processes: a server process killed with SIGKILL
+mid-stream, or Pushpin killed and started again, and every client still receives every
+event exactly once, in order, after resuming with Last-Event-ID as EventSource does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+import pytest
+from django.db import connection
+
+from board import transitions
+from tests import processes
+from tests.factories import UserFactory
+from tests.processes import ServeProcess, eventually, free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.once,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        shutil.which("pushpin") is None,
+        reason="no pushpin (apt-get install pushpin; .ci/run installs it)",
+    ),
+]
+
+CLIENTS = 500
+T = TypeVar("T")
+RETRY_SECONDS = 1.0  # what the stream's "retry:" tells EventSource
+
+
+class Client:
+    """One SSE client that reconnects with the last id it received, as EventSource does."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.port = port
+        self.token = token
+        self.ids: list[int] = []
+        self.connected = asyncio.Event()
+        self.reconnects = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError, ValueError):
+                await self._follow(stop)
+            if stop.is_set():
+                return
+            self.reconnects += 1
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            resume = f"Last-Event-ID: {self.ids[-1]}\r\n" if self.ids else ""
+            writer.write(
+                (
+                    "GET /api/v1/stream/ HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Authorization: Bearer {self.token}\r\nAccept: text/event-stream\r\n"
+                    f"{resume}\r\n"
+                ).encode()
+            )
+            await writer.drain()
+            status = await reader.readline()
+            if b" 200 " not in status:
+                return
+            while not stop.is_set():
+                line = await reader.readline()
+                if not line:
+                    return
+                text = line.decode().rstrip("\r\n")
+                if text.startswith(": connected"):
+                    self.connected.set()
+                elif text.startswith("id: "):
+                    self.ids.append(int(text[4:]))
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+@pytest.fixture
+def behind_pushpin(tmp_path: Path) -> Iterator[ServeProcess]:
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--pushpin",
+        "--workers",
+        "2",
+        env={"DATABASE_URL": processes.tests_database_url(), "TASKBOARD_DATA_DIR": str(tmp_path)},
+        port=free_port(),
+    )
+    try:
+        yield server.wait_healthy(timeout=120)
+    finally:
+        server.stop()
+
+
+def in_thread(work: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """Run Django work in a worker thread, closing that thread's connection after it."""
+    try:
+        return work(*args, **kwargs)
+    finally:
+        connection.close()
+
+
+def last_event_id() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT coalesce(max(id), 0) FROM task_events")
+        return int(cursor.fetchone()[0])
+
+
+def event_ids_after(event_id: int) -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM task_events WHERE id > %s ORDER BY txid, id", [event_id])
+        return [row[0] for row in cursor.fetchall()]
+
+
+def run_clients(
+    server: ServeProcess, token: str, fault: Callable[[], None], events: int = 40
+) -> tuple[list[Client], list[int]]:
+    """Open CLIENTS streams through Pushpin, make ``events`` events (the fault halfway),
+    and return the clients once each has received them all (or the time is up), with the
+    ids of the events made, in stream order."""
+    agent = UserFactory(username="agent-smith")
+    port = server.port
+
+    async def main() -> tuple[list[Client], list[int]]:
+        stop = asyncio.Event()
+        clients = [Client(port, token) for _ in range(CLIENTS)]
+        runners = [asyncio.create_task(client.run(stop)) for client in clients]
+        await asyncio.wait_for(asyncio.gather(*(client.connected.wait() for client in clients)), 60)
+        before = await asyncio.to_thread(in_thread, last_event_id)
+        for n in range(events):
+            await asyncio.to_thread(in_thread, transitions.create, actor=agent, title=f"n{n}")
+            if n == events // 2:
+                await asyncio.to_thread(fault)
+            await asyncio.sleep(0.05)
+        expected = await asyncio.to_thread(in_thread, event_ids_after, before)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if all(client.ids[-1:] == expected[-1:] for client in clients):
+                break
+            await asyncio.sleep(0.2)
+        stop.set()
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        return clients, expected
+
+    return asyncio.run(main())
+
+
+def assert_every_client_got_every_event_once_in_order(
+    clients: list[Client], expected: list[int]
+) -> None:
+    assert len(expected) >= 40
+    wrong = [client for client in clients if client.ids != expected]
+    assert not wrong, (
+        f"{len(wrong)} of {len(clients)} clients differ; first: {wrong[0].ids[:5]}... "
+        f"({len(wrong[0].ids)} ids) against {expected[:5]}... ({len(expected)})"
+    )
+
+
+def server_processes(server: ServeProcess) -> list[psutil.Process]:
+    """The uvicorn worker processes of ``serve --workers N`` (not Pushpin, not the
+    resource tracker of multiprocessing)."""
+    children = psutil.Process(server.process.pid).children()
+    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+
+
+def test_every_client_gets_every_event_once_when_a_server_process_is_killed(
+    behind_pushpin: ServeProcess, token_for: Callable[[str], str]
+) -> None:
+    workers = server_processes(behind_pushpin)
+    assert len(workers) == 2
+
+    def kill_one_worker() -> None:
+        workers[0].kill()
+
+    clients, expected = run_clients(behind_pushpin, token_for("watcher"), kill_one_worker)
+
+    assert_every_client_got_every_event_once_in_order(clients, expected)
+    # The killed process held about half the streams: they resumed elsewhere.
+    assert sum(client.reconnects > 0 for client in clients) >= CLIENTS // 10
+    eventually(lambda: len(server_processes(behind_pushpin)) == 2, timeout=30, what="a restart")
+
+
+def test_every_client_gets_every_event_once_when_pushpin_restarts(
+    behind_pushpin: ServeProcess, token_for: Callable[[str], str]
+) -> None:
+    def runner() -> psutil.Process:
+        [found] = [
+            child
+            for child in psutil.Process(behind_pushpin.process.pid).children()
+            if "pushpin" in " ".join(child.cmdline())
+        ]
+        return found
+
+    killed = threading.Event()
+
+    def kill_pushpin() -> None:
+        runner().kill()  # the board's watcher kills its services and starts it again
+        killed.set()
+
+    clients, expected = run_clients(behind_pushpin, token_for("watcher"), kill_pushpin)
+
+    assert killed.is_set()
+    assert_every_client_got_every_event_once_in_order(clients, expected)
+    assert all(client.reconnects > 0 for client in clients)
