@@ -122,6 +122,19 @@ def test_deleting_a_webhook_removes_it_and_its_deliveries(
     assert_error(get(staff_api, f"webhooks/{hook['id']}/deliveries/"), 404)
 
 
+def test_the_email_channel_cannot_be_deleted_and_keeps_its_deliveries(
+    staff_api: APIClient, make_task: Callable[..., Any], agent: Any
+) -> None:
+    email = transitions.set_email_channel(active=True)
+    escalate(make_task, agent)
+    assert Delivery.objects.filter(webhook_id=email.pk).count() == 1
+
+    assert_error(staff_api.delete(f"{API}/webhooks/{email.pk}/"), 404)
+
+    assert Webhook.objects.filter(pk=email.pk).exists()
+    assert Delivery.objects.filter(webhook_id=email.pk).count() == 1
+
+
 def test_a_webhooks_deliveries_are_listed_newest_first_a_page_at_a_time(
     staff_api: APIClient, make_task: Callable[..., Any], agent: Any
 ) -> None:

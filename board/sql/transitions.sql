@@ -532,12 +532,16 @@ VALUES ('webhook', %(url)s, %(events)s, %(queues)s, %(secret)s, %(format)s, true
 RETURNING *;
 
 -- name: delete_webhook
--- Remove a webhook and its deliveries (an attempt in flight then records nothing).
+-- Remove a webhook and its deliveries (an attempt in flight then records nothing). The
+-- deliveries go only when the webhook did: a data-modifying CTE always runs, so it keys
+-- on the rows the webhook's DELETE returned (the email row, or an unknown id, keeps them).
 WITH gone AS (
-    DELETE FROM webhook_deliveries WHERE webhook_id = %(webhook_id)s
+    DELETE FROM webhooks WHERE id = %(webhook_id)s AND kind = 'webhook'
+    RETURNING id
+), deliveries AS (
+    DELETE FROM webhook_deliveries WHERE webhook_id IN (SELECT id FROM gone)
 )
-DELETE FROM webhooks WHERE id = %(webhook_id)s AND kind = 'webhook'
-RETURNING id;
+SELECT id FROM gone;
 
 -- name: set_email_channel
 -- Turn the escalation emails on or off (each server says at start-up whether EMAIL_URL is
