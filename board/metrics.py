@@ -38,6 +38,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from rest_framework.permissions import BasePermission
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
@@ -270,6 +271,16 @@ class MetricsView(APIView):
 
     permission_classes = [MayScrape]
     schema = None  # outside /api/v1/: not part of the API's OpenAPI document
+
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        """Answer whatever the scraper accepts: the scrape is always Prometheus' text format
+        (written by prometheus_client) and a refusal always the API's JSON. DRF would
+        otherwise answer 406 to ``Accept: text/plain; version=0.0.4`` (which Prometheus
+        sends, with ``*/*`` only as a fallback, and other scrapers send alone)."""
+        renderer = JSONRenderer()
+        return renderer, renderer.media_type
 
     def get(self, request: Request) -> HttpResponse:
         return HttpResponse(exposition(), content_type=CONTENT_TYPE_LATEST)

@@ -167,6 +167,30 @@ def test_claims_are_observed_in_the_latency_histogram(staff_api: APIClient, agen
     )
 
 
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "text/plain; version=0.0.4",
+        "application/openmetrics-text; version=1.0.0",
+        "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    ],
+)
+def test_a_scraper_that_asks_for_its_own_format_is_answered(
+    staff_api: APIClient, accept: str
+) -> None:
+    response = staff_api.get("/metrics", HTTP_ACCEPT=accept)
+
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"].startswith("text/plain")
+
+
+def test_a_refusal_is_json_whatever_the_scraper_accepts() -> None:
+    response = Client().get("/metrics", HTTP_ACCEPT="text/plain; version=0.0.4")
+
+    assert response.status_code == 401
+    assert response.json()["error"] == "not_authenticated"
+
+
 def test_it_refuses_a_client_without_credentials_with_the_apis_401() -> None:
     response = Client().get("/metrics")
 
