@@ -91,17 +91,17 @@ def _canonical(line: dict[str, Any]) -> bytes:
     return json.dumps(line, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
-def check_boundary(before: date, *, today: date | None = None) -> datetime:
-    """Return the boundary as a UTC time, or refuse one that is not the first of a month
-    before the current one (the current month is still being written)."""
-    today = today or datetime.now(UTC).date()
+def check_boundary(before: date) -> datetime:
+    """Return the boundary as a UTC time, or refuse one that is not the first of a month.
+
+    Any month may be archived, the current one too (then its events so far go to the file
+    and its partition is dropped; later events of the month land in the DEFAULT partition,
+    which a later archive splits). A month still being written may gain an event between
+    the export and the drop: the re-check under the partition's lock then refuses to drop
+    it (ArchiveMismatch), and nothing of that month is lost.
+    """
     if before.day != 1:
         raise ArchiveRefused(f"--before {before.isoformat()} is not the first day of a month.")
-    if before >= today.replace(day=1):
-        raise ArchiveRefused(
-            f"--before {before.isoformat()} is in the current month or later: only the months "
-            f"before {today.replace(day=1).isoformat()} can be archived."
-        )
     return datetime(before.year, before.month, 1, tzinfo=UTC)
 
 
@@ -156,11 +156,12 @@ def _read_back(path: Path, *, gzipped: bool) -> dict[date, Tally]:
     return tallies
 
 
-def archive(*, before: date, to: Path, force: bool = False, today: date | None = None) -> Archived:
-    """Archive every event dated before ``before`` (the first of a month before the current
-    one) to the file ``to``, verify it, then drop those months' partitions."""
-    boundary = check_boundary(before, today=today)
-    if to.exists() and not force:
+def archive(*, before: date, to: Path, force: bool = False) -> Archived:
+    """Archive every event dated before ``before`` (the first of a month) to the file
+    ``to``, verify it, then drop those months' partitions."""
+    boundary = check_boundary(before)
+    # An empty file (made by mktemp, say) holds nothing to lose; anything else is kept.
+    if to.exists() and to.stat().st_size > 0 and not force:
         raise ArchiveRefused(f"{to} exists: give another file, or --force to replace it.")
     if not transitions.event_partitions_supported():
         raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
