@@ -64,7 +64,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from access import throttle
 from access.tokens import digest as tokens_digest
 from board import conf
-from board.api.authentication import cached_user, remember
+from board.api.authentication import cached_user
 from board.asgi_tools import send_response
 from board.middleware import disallowed_host, error_response
 from board.stream import authorize
@@ -405,8 +405,7 @@ class MCPApplication:
             response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
             await send_response(send, response)
             return None
-        user, _ = authorized
-        remember(digest, user)
+        # DRF's token authentication (board.stream.authorize) has cached the lookup.
         return principal, token
 
 

@@ -95,10 +95,12 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         created_at=row["event_created_at"],
     )
     data = render(EventSerializer, event)
-    # The relay's own connection decodes jsonb itself: the values go to the model as read.
-    columns, attnames = _task_fields()
-    task = Task.from_db(None, attnames, [row[column] for column in columns])
-    data["task"] = render(TaskSerializer, task) if row["task_is_current"] else None
+    data["task"] = None
+    if row["task_is_current"]:
+        # The relay's own connection decodes jsonb itself: the values go to the model as read.
+        columns, attnames = _task_fields()
+        task = Task.from_db(None, attnames, [row[column] for column in columns])
+        data["task"] = render(TaskSerializer, task)
     text = json.dumps(data, separators=(",", ":"))
     return StreamEvent(
         cursor=Cursor(int(row["txid"]), row["event_id"]),
