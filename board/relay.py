@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +52,9 @@ QUEUE_CHANNEL = "task_queues"
 # wakes this process's dispatcher (board.deliveries).
 DELIVERY_CHANNEL = "webhook_deliveries"
 SSE_EVENT_TYPE = "task_event"
+# The advisory lock whose holder publishes the events to Pushpin (board.grip): any fixed
+# bigint, unlikely to be used elsewhere.
+LEADER_LOCK = 0x7461736B626F6172  # "taskboar"
 
 
 @dataclass(frozen=True, order=True)
@@ -188,6 +192,7 @@ class Relay:
         subscriber_queue: int = 1_000,
         batch: int = 1_000,
         healthy_after: float = 5.0,
+        leader_key: int | None = None,
     ) -> None:
         self.conninfo = conninfo
         # The most recent events, complete for every cursor after buffer_floor.
@@ -212,6 +217,13 @@ class Relay:
         self.backend_pid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._pool: AsyncConnectionPool | None = None
+        # Behind Pushpin (board.grip), the relays of every server process compete for one
+        # advisory lock, taken on this LISTEN connection: its holder publishes the events.
+        # A process that dies, or loses its connection, loses the lock with its session, and
+        # the next relay to try takes it (within a second: see _listen).
+        self.leader_key = leader_key
+        self.leading = False
+        self.leadership_listeners: set[Callable[[bool], None]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -254,6 +266,7 @@ class Relay:
                     backoff = self.MIN_BACKOFF
                 self._listening_since = None
                 logger.warning("relay: connection lost (%s); reconnecting in %.1fs", exc, backoff)
+                self._set_leading(False)  # the lock went with the session
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
 
@@ -275,6 +288,7 @@ class Relay:
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
             held_back = await self._catch_up(conn)
+            await self._lead(conn)
             self._listening_since = time.monotonic()
             self.connected.set()
             self._deliveries_made()
@@ -284,6 +298,8 @@ class Relay:
                 # that may commit without notifying, look again shortly; otherwise check
                 # the connection now and then.
                 timeout = 0.05 if held_back else 30.0
+                if self.leader_key is not None and not self.leading:
+                    timeout = min(timeout, 1.0)  # try for the lock again soon
                 async for notify in conn.notifies(timeout=timeout, stop_after=1):
                     if notify.channel == QUEUE_CHANNEL:
                         self._queue_changed(notify.payload)
@@ -294,6 +310,33 @@ class Relay:
                     # read, so that each stream is written to once for all of them.
                     await asyncio.sleep(window)
                 held_back = await self._catch_up(conn)
+                await self._lead(conn)
+
+    async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Take the leader lock if this relay competes for it and nobody holds it.
+
+        Tried after each read, so that a new leader has delivered (to its publisher) every
+        event up to its head before it starts publishing.
+        """
+        if self.leader_key is None or self.leading:
+            return
+        cur = await conn.execute(
+            "SELECT pg_try_advisory_lock(%(key)s) AS acquired", {"key": self.leader_key}
+        )
+        row = await cur.fetchone()
+        if row and row["acquired"]:
+            logger.info("relay: leading (process %s, backend %s)", os.getpid(), self.backend_pid)
+            self._set_leading(True)
+
+    def _set_leading(self, leading: bool) -> None:
+        if leading == self.leading:
+            return
+        self.leading = leading
+        for listener in list(self.leadership_listeners):
+            try:
+                listener(leading)
+            except Exception:
+                logger.exception("relay: a leadership listener failed")
 
     async def _catch_up(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Read and deliver everything after the head; return whether events are held back."""
@@ -458,7 +501,9 @@ async def get_relay() -> Relay:
     relay = _relays.get(loop)
     if relay is None:
         conninfo = await sync_to_async(django_conninfo)()
-        relay = _relays.setdefault(loop, Relay(conninfo))
+        # Behind Pushpin (GRIP_URL), every process's relay competes to publish (board.grip).
+        leader_key = LEADER_LOCK if settings.GRIP_URL else None
+        relay = _relays.setdefault(loop, Relay(conninfo, leader_key=leader_key))
     await relay.start()
     await relay.open_pool()
     return relay

@@ -12,6 +12,10 @@ EventSource sends by itself on reconnect, or ``?lastEventId=``) is first replaye
 missed, from the relay's memory or from ``task_events``, then continues live: in order,
 none twice. An agent limited to queues (board.access) is sent only its own queues' events,
 live and replayed.
+
+Behind Pushpin (``GRIP_URL``), a request that Pushpin signed is answered at once instead,
+with the replay and GRIP instructions to hold the stream in Pushpin (:func:`hold`, and
+board.grip for the channels and the publishing): no server process keeps it open then.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 import time
 import weakref
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from typing import Any
@@ -32,8 +37,10 @@ import psycopg
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
+from django.http import HttpResponse
 
 from access import throttle
+from board import grip
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.middleware import database_unavailable, disallowed_host, error_response
@@ -45,6 +52,11 @@ logger = logging.getLogger(__name__)
 PATH = "/api/v1/stream/"
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
+STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache, no-transform"),
+    (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
+]
 
 
 def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAccess] | None:
@@ -124,7 +136,9 @@ def credentials_of(headers: dict[str, str]) -> Credentials:
     return "session", morsel.value if morsel else ""
 
 
-def reauthorize(credentials: set[Credentials]) -> dict[Credentials, QueueAccess]:
+def reauthorize(
+    credentials: set[Credentials], *, close: bool = True
+) -> dict[Credentials, QueueAccess]:
     """Return what each of ``credentials`` allows now; those no longer valid are absent.
 
     Tokens are looked up together (one query, and one for their users' queue limits);
@@ -153,7 +167,8 @@ def reauthorize(credentials: set[Credentials]) -> dict[Credentials, QueueAccess]
                 if (user := _user({"cookie": cookie})) is not None:
                     allowed[kind, key] = queue_access(user)
     finally:
-        connection.close()
+        if close:
+            connection.close()
     return allowed
 
 
@@ -252,6 +267,9 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }
+    if grip.proxied(headers) and scope["method"] == "GET" and next_link_query(scope):
+        await next_link(scope, headers, send)
+        return
     client = scope.get("client")
     address = str(client[0]) if client else ""
     try:
@@ -276,26 +294,21 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await send_response(send, error_response(400, "invalid", detail, fields=fields))
         return
     _, access = authorized
+    # Behind Pushpin, answer at once and let Pushpin hold the stream (board.grip).
+    held = scope["method"] == "GET" and grip.proxied(headers)
     try:
         relay = await get_relay()
         event_id = resume_id(scope, headers)
         after = await relay.cursor_of(event_id) if event_id is not None else None
+        if held:
+            await hold(send, relay, after, credentials_of(headers), access, preamble=True)
+            return
     except (TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
         await unavailable(send)
         return
 
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache, no-transform"),
-                (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
-            ],
-        }
-    )
+    await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
     if scope["method"] == "HEAD":
         await send({"type": "http.response.body", "body": b""})
         return
@@ -331,6 +344,124 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         # revoked credentials, it is refused then.
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b""})
+
+
+def next_link_query(scope: Scope) -> dict[str, str] | None:
+    """The parameters of a request of a held stream's ``next`` link (board.grip), or None
+    for any other request."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("link") != ["next"]:
+        return None
+    return {name: values[-1] for name, values in query.items()}
+
+
+# Re-checks of held streams' credentials (board.grip) run here, one at a time, on a
+# connection kept open between them: Pushpin asks every held stream's next link each
+# grip.recheck_seconds(), and a connection opened for each would cost more than the check.
+_recheck_executor = ThreadPoolExecutor(1, thread_name_prefix="taskboard-stream-recheck")
+
+
+async def close_recheck_connection() -> None:
+    """Close the connection the re-checks keep (ASGI lifespan shutdown)."""
+    await asyncio.get_running_loop().run_in_executor(_recheck_executor, _close_connection)
+
+
+def _close_connection() -> None:
+    connection.close()  # this thread's (``connection`` is looked up in the calling thread)
+
+
+# What each held stream's credentials allowed when last checked, for
+# TASKBOARD_TOKEN_CACHE_SECONDS, as the API caches a token's lookup: a burst of next-link
+# requests (every stream, a second after it was held or after a publisher change) costs
+# one lookup per agent, not one per stream. Used on the one re-check thread only.
+_rechecked: dict[Credentials, tuple[float, QueueAccess | None]] = {}
+
+
+def _still_allowed(credentials: Credentials) -> QueueAccess | None:
+    now = time.monotonic()
+    checked = _rechecked.get(credentials)
+    if checked is not None and now - checked[0] < settings.TASKBOARD_TOKEN_CACHE_SECONDS:
+        return checked[1]
+    connection.close_if_unusable_or_obsolete()
+    access = reauthorize({credentials}, close=False).get(credentials)
+    if len(_rechecked) >= 10_000:
+        _rechecked.clear()
+    _rechecked[credentials] = (now, access)
+    return access
+
+
+async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
+    """Answer Pushpin's request of a held stream's ``next`` link: on a gap (a published
+    event did not follow the connection's last one), every grip.recheck_seconds(), and
+    for the next page of a long replay. The stream's credentials, sealed in the link, are
+    checked again; still valid, it is sent what it missed after its last event
+    (``Grip-Last``) and held again. Otherwise it is not held again, and Pushpin ends it:
+    the client's reconnection is then refused (401)."""
+    query = next_link_query(scope) or {}
+    credentials = grip.unseal(query.get("auth", ""))
+    try:
+        access = None
+        if credentials is not None:
+            loop = asyncio.get_running_loop()
+            access = await loop.run_in_executor(_recheck_executor, _still_allowed, credentials)
+        if credentials is None or access is None:
+            await send_response(send, HttpResponse(status=204))
+            return
+        relay = await get_relay()
+        event_id = grip.last_id(headers)
+        if event_id is None and RESUME_ID.fullmatch(query.get("after", "")):
+            event_id = int(query["after"])
+        after = await relay.cursor_of(event_id) if event_id is not None else None
+        await hold(send, relay, after, credentials, access, preamble=False)
+    except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
+        # Pushpin asks again a little later.
+        logger.warning("stream: database unavailable: %s", exc)
+        await unavailable(send)
+
+
+async def hold(
+    send: Send,
+    relay: Relay,
+    after: Cursor | None,
+    credentials: Credentials,
+    access: QueueAccess,
+    *,
+    preamble: bool,
+) -> None:
+    """Answer a stream request from Pushpin: what the client missed after ``after`` (at
+    most a page; Pushpin asks for the rest), then GRIP instructions to hold the stream on
+    the events published after the last one sent (board.grip)."""
+    upto = relay.head
+    assert upto is not None
+    chunks = [f"retry: {RETRY_MILLISECONDS}\n: connected\n\n".encode()] if preamble else []
+    position = after if after is not None else upto
+    sent = 0
+    if after is not None and after < upto:
+        async for page in relay.replay(after, upto):
+            chunks += [event.sse for event in page if access.allows(event.queue)]
+            position = page[-1].cursor
+            sent += len(page)
+            if sent >= grip.PAGE_EVENTS:
+                break
+    more = position < upto
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                *STREAM_HEADERS,
+                *grip.hold_headers(
+                    PATH,
+                    position.id,
+                    credentials,
+                    access,
+                    hold=not more,
+                    keepalive=KEEPALIVE_SECONDS,
+                ),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"".join(chunks)})
 
 
 async def events(

@@ -13,7 +13,8 @@ own ASGI handler would run every request on a new thread, with a new connection.
   1 MiB (413) or slower than TASKBOARD_BODY_TIMEOUT (408), and gives chunked bodies a length;
 - ``/mcp/`` goes to board.mcp_http, the MCP tools over Streamable HTTP, which call this
   application in process;
-- the lifespan starts the process's sender of webhooks and emails (board.deliveries);
+- the lifespan starts the process's sender of webhooks and emails (board.deliveries), and
+  behind Pushpin (GRIP_URL) its candidate publisher of events (board.grip);
 - on SIGTERM or SIGINT, open streams, waiting claims and MCP sessions end at once
   (taskboard.server); the lifespan protocol then stops the sender and the event relay.
 """
@@ -40,7 +41,7 @@ django_application = WSGIMiddleware(
     workers=settings.TASKBOARD_THREADS,
 )
 
-from board import deliveries, mcp_http, stream, waiting  # noqa: E402  (needs Django set up)
+from board import deliveries, grip, mcp_http, stream, waiting  # noqa: E402  (needs Django set up)
 from board.asgi_tools import closing  # noqa: E402
 from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
@@ -77,6 +78,8 @@ async def lifespan(receive: Any, send: Any) -> None:
                 mcp.result()  # it could not start: raise why
             # Webhooks and escalation emails, sent from this process (board.deliveries).
             await deliveries.start_dispatcher()
+            # Behind Pushpin, the events are published to it from one process (board.grip).
+            grip.start_publisher()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             closing().set()
@@ -86,6 +89,8 @@ async def lifespan(receive: Any, send: Any) -> None:
                 except Exception:
                     logger.exception("serving /mcp/ failed")
             await deliveries.stop_dispatcher()
+            await grip.stop_publisher()
+            await stream.close_recheck_connection()
             await stop_relays()
             await close_worker_connections()
             await send({"type": "lifespan.shutdown.complete"})

@@ -7,12 +7,15 @@ running for as long as the server runs: if it dies, it is started again (what a 
 manager would do for the system service). Browsers' streams then resume with
 ``Last-Event-ID`` through the new Pushpin, so nothing is missed or repeated.
 
-Pushpin only passes requests through here (no GRIP instructions yet): it is the public
-listener, the board's N processes (``--workers N``) share one private port behind it.
+Pushpin is the public listener; the board's N processes (``--workers N``) share one
+private port behind it. Streams are held in Pushpin (board.grip): ``serve`` gives its
+processes ``GRIP_URL`` (:attr:`Pushpin.grip_url`), with the publish port and signing key
+chosen here once, so that they stay the same when Pushpin is started again.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import secrets
@@ -23,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 
 logger = logging.getLogger(__name__)
@@ -30,13 +34,15 @@ logger = logging.getLogger(__name__)
 TEMPLATES = Path(__file__).resolve().parent.parent / "deploy" / "pushpin"
 # Pushpin's internal TCP ports (the handler's), before the offset: 5560 to 5563.
 INTERNAL_PORTS = range(5560, 5564)
+SETTLE_SECONDS = 1.0
+PUBLISH_PORT = 5561  # push_in_http_port: where events are published (board.grip)
 
 
 class PushpinUnavailable(RuntimeError):
     """Pushpin is not installed, or could not start."""
 
 
-def render(directory: Path, *, http_port: int, origin: str, port_offset: int) -> Path:
+def render(directory: Path, *, http_port: int, origin: str, port_offset: int, sig_key: str) -> Path:
     """Write ``pushpin.conf`` and ``routes`` for one board into ``directory``; return the
     configuration's path."""
     for sub in ("run", "log"):
@@ -46,7 +52,7 @@ def render(directory: Path, *, http_port: int, origin: str, port_offset: int) ->
         "logdir": str(directory / "log"),
         "http_port": str(http_port),
         "port_offset": str(port_offset),
-        "sig_key": secrets.token_urlsafe(32),
+        "sig_key": sig_key,
         "origin": origin,
     }
     for name in ("pushpin.conf", "routes"):
@@ -87,10 +93,44 @@ class Pushpin:
         self.directory = directory
         self.http_port = http_port
         self.origin = origin
+        # Chosen once: the server processes publish to this port and check this key
+        # (grip_url), across restarts of Pushpin.
+        self.port_offset = free_port_offset()
+        self.sig_key = secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+
+    @property
+    def grip_url(self) -> str:
+        """``GRIP_URL`` for the board's processes (board.grip): Pushpin's publish endpoint,
+        and the issuer and key of the signature it puts on each request."""
+        publish_port = PUBLISH_PORT + self.port_offset
+        return (
+            f"http://127.0.0.1:{publish_port}?verify-iss=pushpin"
+            f"&verify-key=base64:{base64.b64encode(self.sig_key.encode()).decode()}"
+        )
+
+    def ready(self) -> bool:
+        """Whether Pushpin's handler answers on its publish endpoint: until then, a stream
+        that the proxy passes to it (a GRIP hold) fails."""
+        url = f"http://127.0.0.1:{PUBLISH_PORT + self.port_offset}/publish/"
+        try:
+            return httpx.post(url, json={"items": []}, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float = 30) -> Pushpin:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise PushpinUnavailable(f"Pushpin did not start: see {self.directory / 'log'}")
+            time.sleep(0.1)
+        # The proxy hands each held stream to the handler over ZeroMQ, whose connections
+        # settle a moment after the handler answers: a stream held before then is a 500.
+        time.sleep(SETTLE_SECONDS)
+        return self
 
     def start(self) -> Pushpin:
         self._kill_services()  # left behind by a server that was killed
@@ -104,7 +144,8 @@ class Pushpin:
             self.directory,
             http_port=self.http_port,
             origin=self.origin,
-            port_offset=free_port_offset(),
+            port_offset=self.port_offset,
+            sig_key=self.sig_key,
         )
         with (self.directory / "log" / "pushpin.out").open("ab") as out:
             self.process = subprocess.Popen(

@@ -186,6 +186,12 @@ else:
 # mode (PgBouncer), which cannot carry a LISTEN. Then no server-side cursor is used either:
 # it would outlive the transaction that its pooled connection was lent for.
 DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
+# Pushpin's publish endpoint and request signature (board.grip; django-grip's format):
+# streams are then held in Pushpin. `serve --pushpin` sets it for its processes.
+GRIP_URL = os.environ.get("GRIP_URL", "")
+# How often Pushpin asks the board about each stream it holds: its credentials are checked
+# again (a revoked one ends the stream). Every held stream costs a request this often.
+TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int("TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600)
 if DATABASE_LISTEN_URL:
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})

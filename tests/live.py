@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -27,6 +28,7 @@ class LiveServer:
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.origin_url = self.url  # the server itself, where url may be a proxy in front
         config = uvicorn.Config(
             "taskboard.asgi:application",
             host="127.0.0.1",
@@ -158,3 +160,42 @@ class StreamCollector:
         except queue.Empty:
             return True
         return False
+
+
+@contextmanager
+def live_server_behind_pushpin(directory: Path, settings: Any) -> Iterator[LiveServer]:
+    """A LiveServer with a real Pushpin in front (taskboard.pushpin, Debian's pushpin), on
+    the GRIP path of board.grip: streams held in Pushpin, events published to it. The
+    server it yields has the LiveServer's relay and the Pushpin's ``url``."""
+    from board import grip
+    from taskboard.pushpin import Pushpin
+
+    origin_port = free_port()
+    edge = Pushpin(directory, http_port=free_port(), origin=f"127.0.0.1:{origin_port}")
+    settings.GRIP_URL = edge.grip_url
+    grip._config.clear()
+    edge.start().wait_ready()
+    try:
+        with live_server(origin_port) as server:
+            server.url = f"http://127.0.0.1:{edge.http_port}"
+            deadline = time.monotonic() + 30
+            while not _answers(f"{server.url}/healthz"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("Pushpin did not pass requests to the server")
+                time.sleep(0.1)
+            yield server
+    finally:
+        edge.stop()
+        grip._config.clear()
+
+
+def _answers(url: str) -> bool:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=2)
+    try:
+        conn.request("GET", parts.path)
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()

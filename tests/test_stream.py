@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,9 +19,23 @@ from board import stream as stream_module
 from board import transitions
 from board.models import TaskEvent
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer, StreamCollector, live_server
+from tests.live import LiveServer, StreamCollector, live_server, live_server_behind_pushpin
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(params=["direct", "pushpin"])
+def server(request: Any, tmp_path: Any, settings: Any) -> Iterator[LiveServer]:
+    """The server of each test below: uvicorn itself, and uvicorn behind a real Pushpin
+    that holds the streams (board.grip), so that every test here holds for both paths."""
+    if request.param == "direct":
+        with live_server() as running:
+            yield running
+        return
+    if shutil.which("pushpin") is None:
+        pytest.skip("no pushpin (apt-get install pushpin; .ci/run installs it)")
+    with live_server_behind_pushpin(tmp_path / "pushpin", settings) as running:
+        yield running
 
 
 @pytest.fixture
@@ -214,7 +230,8 @@ def test_an_idle_stream_gets_keep_alive_comments(
 ) -> None:
     monkeypatch.setattr(stream_module, "KEEPALIVE_SECONDS", 0.2)
     with StreamCollector(stream_url(server), watcher) as stream:
-        time.sleep(0.7)
+        # Pushpin keeps a held stream alive in whole seconds, a little early at random.
+        time.sleep(2.5 if server.url != server.origin_url else 0.7)
         comments = list(stream.comments)
 
     assert ": connected" in comments
@@ -475,6 +492,7 @@ def ended_within(stream: StreamCollector, seconds: float) -> bool:
 @pytest.fixture
 def quick_recheck(settings: Any) -> None:
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 1
+    settings.TASKBOARD_HELD_STREAM_RECHECK_SECONDS = 1
 
 
 @pytest.mark.usefixtures("quick_recheck")
@@ -611,3 +629,69 @@ def test_an_event_whose_task_changed_since_is_sent_without_a_stale_task(
     assert replayed[2]["type"] == "escalated"
     assert replayed[2]["task"] == shown
     assert shown["status"] == "escalated"
+
+
+def test_a_resume_longer_than_a_page_gets_every_event_in_order(
+    server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind Pushpin a replay is answered a page at a time, the next page asked for by
+    Pushpin (board.grip): the pages join without a gap or an event twice."""
+    from board import grip
+
+    monkeypatch.setattr(grip, "PAGE_EVENTS", 7)
+    made = [transitions.create(actor=agent, title=f"early {n}").id for n in range(30)]
+
+    with StreamCollector(stream_url(server), watcher, lastEventId="0") as stream:
+        replayed = stream.take(30)
+        assert stream.nothing_within(0.3)
+        later = transitions.create(actor=agent, title="live")
+        assert stream.get()["json"]["task_id"] == later.id
+
+    assert [event["json"]["task_id"] for event in replayed] == made
+
+
+def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    """The next link of a held stream carries its credentials sealed (board.grip): a request
+    for it with anything else is held nowhere and sent nothing."""
+    transitions.create(actor=agent, title="secret")
+    for params in ({"link": "next"}, {"link": "next", "auth": "forged", "after": "0"}):
+        with StreamCollector(stream_url(server), {"Grip-Last": "events; last-id=0"}, **params) as s:
+            assert s.status in {204, 401}
+            assert s.nothing_within(0.3)
+
+
+def test_one_relay_at_a_time_leads_and_the_lead_is_taken_again_when_it_is_cut_off() -> None:
+    """Behind Pushpin the relays of all server processes compete for one advisory lock
+    (board.relay.LEADER_LOCK); its holder publishes. When the holder's session ends, the
+    lock is free at once, and a relay (another, or the same one reconnected) takes it
+    within about a second."""
+    background = BackgroundLoop()
+    relays = [
+        relay_module.Relay(relay_module.django_conninfo(), leader_key=relay_module.LEADER_LOCK)
+        for _ in range(3)
+    ]
+    for relay in relays:
+        background.run(relay.start())
+    try:
+        deadline = time.monotonic() + 5
+        while sum(relay.leading for relay in relays) == 0:
+            assert time.monotonic() < deadline, "no relay leads"
+            time.sleep(0.05)
+        time.sleep(1.5)  # the others have tried again meanwhile
+        [leader] = [relay for relay in relays if relay.leading]
+
+        cut_off = leader.backend_pid
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
+        deadline = time.monotonic() + 5
+        while not any(r.leading and r.backend_pid != cut_off for r in relays):
+            assert time.monotonic() < deadline, "nobody took the lead again"
+            time.sleep(0.05)
+        time.sleep(1.5)
+        assert sum(relay.leading for relay in relays) == 1
+    finally:
+        for relay in relays:
+            background.run(relay.stop())
+        background.close()

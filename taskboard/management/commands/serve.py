@@ -61,7 +61,11 @@ class Command(BaseCommand):
             try:
                 origin = f"{host}:{port}"
                 directory = settings.DATA_DIR / "pushpin"
-                edge = pushpin.Pushpin(directory, http_port=options["port"], origin=origin).start()
+                edge = pushpin.Pushpin(directory, http_port=options["port"], origin=origin)
+                edge.start().wait_ready()
+                # Streams are held in Pushpin, and events published to it (board.grip):
+                # in this process, and in the workers started from it.
+                os.environ["GRIP_URL"] = settings.GRIP_URL = edge.grip_url
             except pushpin.PushpinUnavailable as exc:
                 raise CommandError(str(exc)) from exc
         self.stdout.write(
