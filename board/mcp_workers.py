@@ -259,15 +259,15 @@ async def _pump(response: httpx.Response, send: Any) -> None:
 def forwarded_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
     """The scope of a request that came in over the private socket: with the client
     address the forwarding process saw, and marked as forwarded."""
-    headers = []
+    headers = [(name, value) for name, value in scope["headers"] if name.lower() != CLIENT_HEADER]
+    given = [value for name, value in scope["headers"] if name.lower() == CLIENT_HEADER]
     client = None
-    for name, value in scope["headers"]:
-        if name.lower() == CLIENT_HEADER:
-            host, _, port = value.decode("latin-1").rpartition(" ")
-            with contextlib.suppress(ValueError):
-                client = (host, int(port))
-        else:
-            headers.append((name, value))
+    # Router.forward sends one, having dropped any that came from the network; if there
+    # are several, that went wrong: trust none.
+    if len(given) == 1:
+        host, _, port = given[0].decode("latin-1").rpartition(" ")
+        with contextlib.suppress(ValueError):
+            client = (host, int(port))
     forwarded = dict(scope, headers=headers, client=client)
     forwarded[FORWARDED_KEY] = True
     return forwarded
