@@ -66,7 +66,9 @@ def run(config: Config) -> None:
             # /mcp/ requests of its sessions that reach another (board.mcp_workers): a
             # directory of mode 0700, so that only this user reaches the sockets.
             os.environ["TASKBOARD_SERVE_WORKERS"] = str(config.workers)
-            sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-")
+            # A socket's path may be 107 bytes at most: under a long TMPDIR, use /tmp.
+            short = len(tempfile.gettempdir()) <= 60
+            sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-", dir=None if short else "/tmp")
             os.environ["TASKBOARD_SERVE_SOCKETS"] = sockets_dir
             metrics_dir = _share_metrics()
             Multiprocess(config, sockets=[config.bind_socket()]).run()

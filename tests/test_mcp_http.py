@@ -5,6 +5,7 @@ the other sessions' tools. (The SDK's own client drives the tools in tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -188,8 +189,8 @@ def test_forty_waiting_claims_do_not_hold_up_another_sessions_tools(
     assert took < 2, f"list_tasks of an unrelated session took {took:.1f} s"
 
 
-@pytest.fixture
-def two_processes(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
+@contextlib.contextmanager
+def two_servers(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
     """Two servers as two processes of one ``serve --workers 2`` see each other: each
     listens on a socket of its own in one private directory (board.mcp_workers). Here they
     are two servers in this process, on two ports, so that a test picks which one each
@@ -201,6 +202,44 @@ def two_processes(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]
             yield a, b, directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def two_processes(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
+    with two_servers(settings) as servers:
+        yield servers
+
+
+def test_a_stream_through_another_process_keeps_its_session_and_ends_with_its_client(
+    settings: Any,
+) -> None:
+    settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
+    other = UserFactory(username="next-agent")
+    with two_servers(settings) as (a, b, _directory):
+        alice = token_of("alice")
+        session_id, task_id = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=2)
+        headers = {
+            "Authorization": f"Bearer {alice}",
+            "Accept": "text/event-stream",
+            "Mcp-Session-Id": session_id,
+            "MCP-Protocol-Version": VERSION,
+        }
+        with httpx.stream("GET", f"{b.url}/mcp/", headers=headers, timeout=10) as stream:
+            assert stream.status_code == 200
+            # Past the idle timeout and the lease: the stream, open through B, keeps the
+            # session in A, and so its heartbeats.
+            time.sleep(4)
+            assert transitions.claim(actor=other, queues=["q"]) == []
+        # The client left: B lets go of A's stream, the session is idle, and ends.
+        gone = time.monotonic()
+        claims: list[transitions.Claim] = []
+        while not claims:
+            assert time.monotonic() - gone < 10, "the session outlived its client's stream"
+            time.sleep(0.2)
+            claims = transitions.claim(actor=other, queues=["q"])
+        assert claims[0].task.pk == task_id
+        # Idle (1 s, + 2 s margin), then the lease (2 s) ran out.
+        assert time.monotonic() - gone > 3
 
 
 def test_a_session_is_served_by_its_process_whichever_process_a_request_reaches(
