@@ -74,6 +74,16 @@ def call(url: str, token: str, session_id: str, tool: str, **arguments: Any) -> 
     return response.status_code, rpc_result(response)
 
 
+def stream_headers(token: str, session_id: str) -> dict[str, str]:
+    """The headers of a GET of the session's event stream."""
+    return {
+        "Authorization": f"Bearer {token}",
+        "Accept": "text/event-stream",
+        "Mcp-Session-Id": session_id,
+        "MCP-Protocol-Version": VERSION,
+    }
+
+
 def holding_a_task(url: str, token: str, lease_seconds: int = 120) -> tuple[str, int]:
     """Open a session of ``token`` that creates a task and claims it: (session id, task id)."""
     session_id = open_session(url, token)
@@ -218,12 +228,7 @@ def test_a_stream_through_another_process_keeps_its_session_and_ends_with_its_cl
     with two_servers(settings) as (a, b, _directory):
         alice = token_of("alice")
         session_id, task_id = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=2)
-        headers = {
-            "Authorization": f"Bearer {alice}",
-            "Accept": "text/event-stream",
-            "Mcp-Session-Id": session_id,
-            "MCP-Protocol-Version": VERSION,
-        }
+        headers = stream_headers(alice, session_id)
         with httpx.stream("GET", f"{b.url}/mcp/", headers=headers, timeout=10) as stream:
             assert stream.status_code == 200
             # Past the idle timeout and the lease: the stream, open through B, keeps the
@@ -257,12 +262,7 @@ def test_a_session_is_served_by_its_process_whichever_process_a_request_reaches(
     )
     assert status == 200 and not body["result"].get("isError"), body
 
-    headers = {
-        "Authorization": f"Bearer {alice}",
-        "Accept": "text/event-stream",
-        "Mcp-Session-Id": session_id,
-        "MCP-Protocol-Version": VERSION,
-    }
+    headers = stream_headers(alice, session_id)
     # The session's event stream, through B: it streams (headers now, events later).
     with httpx.stream("GET", f"{b.url}/mcp/", headers=headers, timeout=5) as stream:
         assert stream.status_code == 200
