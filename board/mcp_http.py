@@ -26,11 +26,10 @@ follows each session from the HTTP requests that name it: a ``DELETE`` that succ
 a ``404`` ends it at once, and its idle timer is the SDK's plus a margin, so that the SDK
 has forgotten the session (and answers ``404``) before its leases are let go.
 
-Sessions live in the process that opened them: behind several servers, a session's
-requests must reach the same one (README, "Deploying at scale"), and a server whose
-processes share one port (``serve --workers N``) refuses MCP (``503``), since their
-connections reach them at random. Moving sessions and their leases into PostgreSQL would
-lift that.
+Sessions live in the process that opened them. Behind several servers, a session's
+requests must reach the same one (README, "Deploying at scale"); between the processes of
+one ``serve --workers N``, whose connections reach them at random, board.mcp_workers passes
+each request to the process that holds its session.
 
 Nothing here or in the tools that may wait for the board runs on the event loop: the
 board's answers to the tools come from that very loop (taskboard.mcp_server._call).
@@ -44,13 +43,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
-from django.http import HttpResponse, JsonResponse
+from django.http import JsonResponse
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context
@@ -63,7 +63,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from access import throttle
 from access.tokens import digest as tokens_digest
-from board import conf
+from board import conf, mcp_workers
 from board.api.authentication import cached_user
 from board.asgi_tools import send_response
 from board.middleware import disallowed_host, error_response
@@ -252,6 +252,12 @@ class MCPApplication:
 
     def __init__(self, app: Any) -> None:
         self.sessions = Sessions(app, settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS)
+        # Set when this is one of several processes of a `serve` (board.mcp_workers).
+        self.router = (
+            mcp_workers.Router(Path(settings.TASKBOARD_SERVE_SOCKETS))
+            if settings.TASKBOARD_SERVE_SOCKETS
+            else None
+        )
         self.server = build_server(self.sessions.session_of)
         # Made for its session manager: the requests reach it through __call__, not
         # through this Starlette application.
@@ -270,21 +276,26 @@ class MCPApplication:
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
         """Serve sessions while in this context; on leaving it, end them all."""
-        try:
-            async with self.manager.run():
-                yield
-        finally:
-            await self.sessions.end_all()
+        async with contextlib.AsyncExitStack() as stack:
+            if self.router is not None:
+                # Entered first, left last: forwarded requests are served until this
+                # process's sessions have ended.
+                await stack.enter_async_context(self.router.listening(private_application))
+            try:
+                async with self.manager.run():
+                    yield
+            finally:
+                await self.sessions.end_all()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if (refused := disallowed_host(scope)) is not None:
             await send_response(send, refused)
             return
-        if settings.TASKBOARD_SERVE_WORKERS > 1:
-            # A session lives in one process's memory, and the processes of one port share
-            # its connections at random: refuse rather than hold tasks nobody can finish.
-            await send_response(send, _one_process_only())
-            return
+        if self.router is not None:
+            routed = await self.route(self.router, scope, receive, send)
+            if routed is None:
+                return
+            scope, send = routed
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in scope["headers"]
@@ -328,14 +339,7 @@ class MCPApplication:
         if not self.sessions.owned_by(session_id, owner):
             # Another token's session, or one that ended: nothing here moves, and the answer
             # is the SDK's 404 (the same for both), saying what to do.
-            await _jsonrpc_error(
-                send,
-                404,
-                "Session not found: this MCP session does not exist here (it was deleted, "
-                f"idle for over {self.sessions.idle_seconds:g} s, or the server restarted). "
-                "Connect again for a new session; tasks the old one held return to the board "
-                "when their leases run out.",
-            )
+            await self.not_found(send)
             return
         status: list[int] = []
 
@@ -352,6 +356,56 @@ class MCPApplication:
                 deleted = scope["method"] == "DELETE" and bool(status) and status[0] < 300
                 gone = deleted or status[:1] == [404]
                 self.sessions.finish(session_id, tracked, gone=gone)
+
+    async def not_found(self, send: Any) -> None:
+        await _jsonrpc_error(
+            send,
+            404,
+            "Session not found: this MCP session does not exist here (it was deleted, "
+            f"idle for over {self.sessions.idle_seconds:g} s, or the server restarted). "
+            "Connect again for a new session; tasks the old one held return to the board "
+            "when their leases run out.",
+        )
+
+    async def route(
+        self, router: mcp_workers.Router, scope: Scope, receive: Any, send: Any
+    ) -> tuple[Scope, Any] | None:
+        """Under ``serve --workers N``: pass a request for another process's session to
+        it (None: answered), or return the scope and send with which to serve it here (the
+        SDK's session id in the scope, answers naming this process's ids)."""
+        header = MCP_SESSION_ID_HEADER.encode("latin-1")
+        renamed = router.renaming(send, header)
+        for name, value in scope["headers"]:
+            if name.lower() != header:
+                continue
+            tag, inner = router.inbound(value.decode("latin-1"))
+            if tag == router.tag:
+                others = [(n, v) for n, v in scope["headers"] if n.lower() != header]
+                scope = dict(scope, headers=[*others, (header, inner.encode("latin-1"))])
+                return scope, renamed
+            if tag is None or scope.get(mcp_workers.FORWARDED_KEY):
+                break  # no process of this server handed it out: the SDK's 404
+            try:
+                await router.forward(tag, scope, receive, send)
+            except mcp_workers.Gone:
+                # The process that held the session is gone, and the session with it.
+                # Answered as any request for an unknown session: authenticated first.
+                named = {
+                    n.decode("latin-1").lower(): v.decode("latin-1") for n, v in scope["headers"]
+                }
+                if await self.authenticate(scope, named, send) is not None:
+                    await self.not_found(send)
+            except mcp_workers.Interrupted:
+                await _jsonrpc_error(
+                    send,
+                    503,
+                    "unavailable: the server process holding this MCP session did not answer. "
+                    "Try again shortly.",
+                    code=INTERNAL_ERROR,
+                    headers={"Retry-After": "1"},
+                )
+            return None
+        return scope, renamed
 
     async def authenticate(
         self, scope: Scope, headers: dict[str, str], send: Any
@@ -409,16 +463,6 @@ class MCPApplication:
         return principal, token
 
 
-def _one_process_only() -> HttpResponse:
-    return error_response(
-        503,
-        "unavailable",
-        "MCP over HTTP needs a server of one process (taskboard serve --workers 1): a "
-        "session lives in the process that opened it. Use taskboard mcp (stdio) instead, "
-        "or serve /mcp/ from a server of one process.",
-    )
-
-
 async def _jsonrpc_error(
     send: Any,
     status: int,
@@ -469,6 +513,16 @@ async def serving(app: Any) -> AsyncIterator[None]:
             yield
         finally:
             del _running[loop]
+
+
+async def private_application(scope: Scope, receive: Any, send: Any) -> None:
+    """The ASGI application on this process's private socket (board.mcp_workers): the
+    requests for its sessions that other processes of this server pass on, and nothing
+    else."""
+    if scope["type"] != "http" or scope["path"] not in PATHS:
+        await send_response(send, error_response(404, "not_found", "Only /mcp/ is served here."))
+        return
+    await application(mcp_workers.forwarded_scope(scope), receive, send)
 
 
 async def application(scope: Scope, receive: Any, send: Any) -> None:

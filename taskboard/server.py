@@ -59,10 +59,17 @@ def run(config: Config) -> None:
     """
     server = uvicorn.Server(config)
     metrics_dir: str | None = None
+    sockets_dir: str | None = None
     try:
         if config.workers > 1:
-            # The processes learn that they share the port (settings: /mcp/ refuses then).
+            # The processes learn that they share the port, and where each listens for the
+            # /mcp/ requests of its sessions that reach another (board.mcp_workers): a
+            # directory of mode 0700, so that only this user reaches the sockets.
             os.environ["TASKBOARD_SERVE_WORKERS"] = str(config.workers)
+            # A socket's path may be 107 bytes at most: under a long TMPDIR, use /tmp.
+            short = len(tempfile.gettempdir()) <= 60
+            sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-", dir=None if short else "/tmp")
+            os.environ["TASKBOARD_SERVE_SOCKETS"] = sockets_dir
             metrics_dir = _share_metrics()
             Multiprocess(config, sockets=[config.bind_socket()]).run()
         else:
@@ -74,6 +81,8 @@ def run(config: Config) -> None:
             os.remove(config.uds)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        if sockets_dir is not None:
+            shutil.rmtree(sockets_dir, ignore_errors=True)
     if config.workers == 1 and not server.started:
         sys.exit(STARTUP_FAILURE)
 

@@ -5,19 +5,26 @@ the other sessions' tools. (The SDK's own client drives the tools in tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import socket
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from access.models import AuthFailure
 from board import transitions
 from board.models import Task
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer
+from tests.live import LiveServer, live_server
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.once]
 
@@ -65,6 +72,16 @@ def call(url: str, token: str, session_id: str, tool: str, **arguments: Any) -> 
     }
     response = httpx.post(url, headers=headers, json=request, timeout=30)
     return response.status_code, rpc_result(response)
+
+
+def stream_headers(token: str, session_id: str) -> dict[str, str]:
+    """The headers of a GET of the session's event stream."""
+    return {
+        "Authorization": f"Bearer {token}",
+        "Accept": "text/event-stream",
+        "Mcp-Session-Id": session_id,
+        "MCP-Protocol-Version": VERSION,
+    }
 
 
 def holding_a_task(url: str, token: str, lease_seconds: int = 120) -> tuple[str, int]:
@@ -182,14 +199,127 @@ def test_forty_waiting_claims_do_not_hold_up_another_sessions_tools(
     assert took < 2, f"list_tasks of an unrelated session took {took:.1f} s"
 
 
-def test_mcp_is_refused_clearly_by_a_server_of_several_processes(
-    server: LiveServer, settings: Any
+@contextlib.contextmanager
+def two_servers(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
+    """Two servers as two processes of one ``serve --workers 2`` see each other: each
+    listens on a socket of its own in one private directory (board.mcp_workers). Here they
+    are two servers in this process, on two ports, so that a test picks which one each
+    request reaches."""
+    directory = Path(tempfile.mkdtemp(prefix="tb-mcp-"))  # short: a socket's path is
+    settings.TASKBOARD_SERVE_SOCKETS = str(directory)  # limited to 108 bytes
+    try:
+        with live_server() as a, live_server() as b:
+            yield a, b, directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def two_processes(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
+    with two_servers(settings) as servers:
+        yield servers
+
+
+def test_a_stream_through_another_process_keeps_its_session_and_ends_with_its_client(
+    settings: Any,
 ) -> None:
-    settings.TASKBOARD_SERVE_WORKERS = 2
-    headers = {"Authorization": f"Bearer {token_of('alice')}", "Accept": ACCEPT}
-    response = httpx.post(f"{server.url}/mcp/", headers=headers, json={})
-    assert response.status_code == 503
-    assert "--workers 1" in response.json()["detail"]
+    settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
+    other = UserFactory(username="next-agent")
+    with two_servers(settings) as (a, b, _directory):
+        alice = token_of("alice")
+        session_id, task_id = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=2)
+        headers = stream_headers(alice, session_id)
+        with httpx.stream("GET", f"{b.url}/mcp/", headers=headers, timeout=10) as stream:
+            assert stream.status_code == 200
+            # Past the idle timeout and the lease: the stream, open through B, keeps the
+            # session in A, and so its heartbeats.
+            time.sleep(4)
+            assert transitions.claim(actor=other, queues=["q"]) == []
+        # The client left: B lets go of A's stream, the session is idle, and ends.
+        gone = time.monotonic()
+        claims: list[transitions.Claim] = []
+        while not claims:
+            assert time.monotonic() - gone < 10, "the session outlived its client's stream"
+            time.sleep(0.2)
+            claims = transitions.claim(actor=other, queues=["q"])
+        assert claims[0].task.pk == task_id
+        # Idle (1 s, + 2 s margin), then the lease (2 s) ran out.
+        assert time.monotonic() - gone > 3
+
+
+def test_a_session_is_served_by_its_process_whichever_process_a_request_reaches(
+    two_processes: tuple[LiveServer, LiveServer, Path],
+) -> None:
+    a, b, directory = two_processes
+    alice = token_of("alice")
+    session_id, task_id = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=2)
+    tag = session_id.partition("-")[0]
+    assert (directory / f"{tag}.sock").exists() and len(list(directory.iterdir())) == 2
+
+    time.sleep(3)  # past the lease: only the heartbeats of the session (in A) keep it
+    status, body = call(
+        f"{b.url}/mcp/", alice, session_id, "report_progress", task_id=task_id, progress=1
+    )
+    assert status == 200 and not body["result"].get("isError"), body
+
+    headers = stream_headers(alice, session_id)
+    # The session's event stream, through B: it streams (headers now, events later).
+    with httpx.stream("GET", f"{b.url}/mcp/", headers=headers, timeout=5) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+    status, body = call(f"{b.url}/mcp/", alice, session_id, "complete_task", task_id=task_id)
+    assert status == 200 and not body["result"].get("isError"), body
+    assert Task.objects.get(pk=task_id).status == "done"
+
+    # Another token cannot reach it through B either; its owner ends it through B.
+    mallory = token_of("mallory")
+    status, _ = call(f"{b.url}/mcp/", mallory, session_id, "list_tasks")
+    assert status == 404
+    assert httpx.delete(f"{b.url}/mcp/", headers=headers).status_code == 200
+    status, _ = call(f"{a.url}/mcp/", alice, session_id, "list_tasks")
+    assert status == 404
+
+
+def test_a_session_of_a_process_that_is_gone_is_404_once_authenticated(
+    two_processes: tuple[LiveServer, LiveServer, Path],
+) -> None:
+    a, _b, directory = two_processes
+    alice = token_of("alice")
+    # A process that stopped (its socket removed), and one killed (its socket left behind,
+    # with nothing listening).
+    killed = socket.socket(socket.AF_UNIX)
+    killed.bind(str(directory / f"{'b' * 16}.sock"))
+    killed.close()
+    for tag in ("a" * 16, "b" * 16):
+        session_id = f"{tag}-{uuid.uuid4().hex}"
+        status, body = call(f"{a.url}/mcp/", alice, session_id, "list_tasks")
+        assert status == 404 and "Session not found" in body["error"]["message"], body
+        stranger = httpx.post(
+            f"{a.url}/mcp/",
+            headers={"Accept": ACCEPT, "Mcp-Session-Id": session_id},
+            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        )
+        assert stranger.status_code == 401
+
+
+def test_a_forwarded_requests_client_address_cannot_be_forged(
+    two_processes: tuple[LiveServer, LiveServer, Path], settings: Any
+) -> None:
+    a, b, _directory = two_processes
+    session_id = open_session(f"{a.url}/mcp/", token_of("alice"))
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    # A wrong token for A's session, sent to B, which passes it on: A refuses it and counts
+    # the failure against the address B saw, not the one the request claims.
+    headers = {
+        "Authorization": "Bearer wrong",
+        "Accept": ACCEPT,
+        "Mcp-Session-Id": session_id,
+        "Taskboard-Forwarded-Client": "203.0.113.9 4444",
+    }
+    refused = httpx.post(f"{b.url}/mcp/", headers=headers, json={"jsonrpc": "2.0", "method": "x"})
+
+    assert refused.status_code == 401
+    assert list(AuthFailure.objects.values_list("address", flat=True)) == ["127.0.0.1"]
 
 
 def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(

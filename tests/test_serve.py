@@ -3,17 +3,18 @@ embedded PostgreSQL, prints the first-run secrets once, and serves the API with 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import httpx
 import pytest
 
+from taskboard.management.commands.serve import Command
 from tests.processes import ServeProcess, free_port
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     port = free_port()
@@ -47,3 +48,25 @@ def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(tmp_path: Path)
     second_output = server.output
 
     assert "password" not in second_output, "the secrets are printed on the first run only"
+
+
+def default_workers() -> int:
+    return int(Command().create_parser("manage.py", "serve").parse_args([]).workers)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_serve_runs_a_process_per_cpu_it_may_use_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("WEB_CONCURRENCY", raising=False)
+    allowed = os.sched_getaffinity(0)
+    assert default_workers() == len(allowed)
+    try:
+        # Held to one CPU (as by taskset or a container's cpuset): one process.
+        os.sched_setaffinity(0, {min(allowed)})
+        assert default_workers() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+    monkeypatch.setenv("WEB_CONCURRENCY", "3")
+    assert default_workers() == 3

@@ -21,18 +21,19 @@ SERVER_APPLICATION_NAME = "taskboard-server"
 
 @pytest.fixture
 def start_serve(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
-    """Return a function that starts ``taskboard serve`` on the test database and waits
-    until it is healthy. Every server started is stopped at teardown."""
+    """Return a function that starts ``taskboard serve ARGS`` on the test database and
+    waits until it is healthy (without ``--workers``: as many processes as CPUs, serve's
+    default). Every server started is stopped at teardown."""
     servers: list[ServeProcess] = []
 
-    def start(**env: str) -> ServeProcess:
+    def start(*args: str, **env: str) -> ServeProcess:
         log = tmp_path / f"serve-{len(servers)}.log"
         environment = {
             "DATABASE_URL": tests_database_url(),
             "PGAPPNAME": SERVER_APPLICATION_NAME,
             **env,
         }
-        server = ServeProcess(log, env=environment)
+        server = ServeProcess(log, *args, env=environment)
         servers.append(server)
         return server.wait_healthy()
 

@@ -48,7 +48,9 @@ def test_a_delivery_cut_off_by_a_killed_server_is_made_after_a_restart(
         transitions.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
-        first = start_serve(**QUICK)
+        # One process: SIGKILL of `serve --workers N` would kill only the supervisor, and
+        # leave its workers (the sender among them) running.
+        first = start_serve("--workers", "1", **QUICK)
         [event_id] = escalate_tasks(1)
         eventually(lambda: receiver.received, timeout=20, what="the first attempt")
         first.process.kill()  # SIGKILL while the receiver holds the request open

@@ -96,7 +96,9 @@ def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
     board: tuple[Path, str],
 ) -> None:
     data_dir, _ = board
-    killed = ServeProcess.on_data_dir(data_dir)
+    # One process: SIGKILL of `serve --workers N` would kill only the supervisor, and leave
+    # its workers holding the database.
+    killed = ServeProcess.on_data_dir(data_dir, "--workers", "1")
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     postmaster = postmaster_pid(data_dir)

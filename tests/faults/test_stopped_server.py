@@ -49,9 +49,11 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
     start_serve: Callable[..., ServeProcess], token_for: Callable[[str], str]
 ) -> None:
     headers = {"Authorization": f"Bearer {token_for('agent-under-load')}"}
-    a = start_serve()
+    # One process each: the test stalls B's relay, and reads which session that is from
+    # the one relay that B's start adds.
+    a = start_serve("--workers", "1")
     before = relay_sessions()
-    b = start_serve()
+    b = start_serve("--workers", "1")
     # B's relay: the session that B's start added.
     [relay_pid] = eventually(lambda: relay_sessions() - before, what="B's relay")
     client = httpx.Client(base_url=f"{a.url}/api/v1", headers=headers, timeout=30)

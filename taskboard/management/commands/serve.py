@@ -30,8 +30,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--workers",
             type=int,
-            default=int(os.environ.get("WEB_CONCURRENCY", "1")),
-            help="server processes (each with its own event relay); default 1",
+            default=int(os.environ.get("WEB_CONCURRENCY") or usable_cpus()),
+            help="server processes (each with its own event relay); default: WEB_CONCURRENCY, "
+            f"or the CPUs this process may use ({usable_cpus()} here)",
         )
         parser.add_argument("--no-migrate", action="store_true", help="skip migrations")
         parser.add_argument(
@@ -123,6 +124,14 @@ class Command(BaseCommand):
         )
         self.stdout.write(f"  admin       password {password}")
         self.stdout.write(f"  demo-agent  token    {token.key}")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's limit),
+    where the system says; else all of the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def free_port() -> int:
