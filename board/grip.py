@@ -290,7 +290,13 @@ class Publisher:
             items = await self.pending.get()
             while not self.pending.empty() and len(items) < PUBLISH_BATCH:
                 items += self.pending.get_nowait()
-            await self._publish(items)
+            try:
+                await self._publish(items)
+            except Exception:
+                # This process holds the lead: it must go on publishing whatever one batch
+                # did. The streams that missed the batch are recovered by the next one.
+                self.failures += 1
+                logger.exception("grip: publishing %d events failed", len(items))
 
     async def _publish(self, items: list[dict[str, Any]]) -> None:
         assert self._client is not None
