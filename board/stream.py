@@ -300,6 +300,11 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         relay = await get_relay()
         event_id = resume_id(scope, headers)
         after = await relay.cursor_of(event_id) if event_id is not None else None
+        if event_id is None:
+            # A new stream starts after what is committed now, wherever this process's
+            # relay has got to.
+            head = await relay.current_head()
+            after = head if relay.head is None or head > relay.head else None
         if held:
             await hold(send, relay, after, credentials_of(headers), access, preamble=True)
             return

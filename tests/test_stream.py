@@ -695,3 +695,23 @@ def test_one_relay_at_a_time_leads_and_the_lead_is_taken_again_when_it_is_cut_of
         for relay in relays:
             background.run(relay.stop())
         background.close()
+
+
+def test_a_new_stream_starts_after_what_is_committed_even_if_the_relay_is_behind(
+    server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that made an event and then opens a stream is not sent that event, though
+    the relay of the process that answers has not read it yet (it was a race: the stream
+    started at the relay's head)."""
+    catch_up = relay_module.Relay._catch_up
+
+    async def late_catch_up(self: relay_module.Relay, conn: Any) -> bool:
+        await asyncio.sleep(0.5)
+        return await catch_up(self, conn)
+
+    time.sleep(0.6)  # the relay is idle: its next read is a late one
+    monkeypatch.setattr(relay_module.Relay, "_catch_up", late_catch_up)
+    transitions.create(actor=agent, title="before")
+    with StreamCollector(stream_url(server), watcher) as stream:
+        after = transitions.create(actor=agent, title="after")
+        assert stream.get(timeout=5)["json"]["task_id"] == after.id
