@@ -573,15 +573,21 @@ class Server:
         )
         log.close()
         deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in {timeout} s; see {self.log_path}")
-            time.sleep(0.2)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited; see {self.log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the server did not start in {timeout} s; see {self.log_path}"
+                    )
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()  # no __exit__ follows a failed start: stop what did start
+            raise
         processes = self.server_processes()
         self.progress(
             f"server up on port {self.port} (pid {self.process.pid}, "
@@ -593,21 +599,20 @@ class Server:
     def stop(self) -> None:
         import psutil
 
-        if self.process is None or self.process.poll() is not None:
-            return
-        # Found now, while serve is their parent: what a killed serve leaves behind.
-        descendants = []
-        with contextlib.suppress(psutil.Error):
-            descendants = psutil.Process(self.process.pid).children(recursive=True)
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
-        for child in descendants:
+        if self.process is not None and self.process.poll() is None:
+            # Found now, while serve is their parent: what a killed serve leaves behind.
+            descendants = []
             with contextlib.suppress(psutil.Error):
-                child.kill()
+                descendants = psutil.Process(self.process.pid).children(recursive=True)
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+            for child in descendants:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         if self.data_dir is not None:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
