@@ -4,7 +4,8 @@ so that their CPU is neither the server's nor the benchmark's. They never import
 ``sse``: hold N event streams open; ``wait``: keep N claims waiting with ``wait``. Each
 prints ``{"ready": N}`` once everything is open, records (task id, arrival time) for every
 event or claimed task it receives, and when sent ``{"commits": {task id: commit time}}``
-on stdin answers the commit-to-arrival latencies. Raw asyncio sockets on uvloop keep the
+on stdin answers the commit-to-arrival latencies (before that, ``{"arrived": true}`` is
+answered with how many have arrived so far). Raw asyncio sockets on uvloop keep the
 client's own cost per event small.
 """
 
@@ -128,8 +129,13 @@ def _say(message: dict[str, Any]) -> None:
 
 async def _latencies(protocols: list[Any]) -> None:
     loop = asyncio.get_running_loop()
-    line = await loop.run_in_executor(None, sys.stdin.readline)
-    commits = {int(key): value for key, value in json.loads(line)["commits"].items()}
+    while True:
+        message = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+        if "commits" in message:
+            break
+        # {"arrived": true}: how many events (or claimed tasks) have arrived so far.
+        _say({"arrived": sum(len(protocol.arrivals) for protocol in protocols)})
+    commits = {int(key): value for key, value in message["commits"].items()}
     latencies = []
     unmatched = 0
     for protocol in protocols:
@@ -156,8 +162,19 @@ async def _latencies(protocols: list[Any]) -> None:
             "max": latencies[-1] if latencies else -1,
             "responses": sum(getattr(p, "responses", 0) for p in protocols),
             "histogram": [pick(q) for q in range(0, 101, 2)],
+            # Every latency, to a tenth of a millisecond ({tenths: count}): what the
+            # latencies of several helpers are put together from.
+            "buckets": _buckets(latencies),
         }
     )
+
+
+def _buckets(latencies: list[float]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for latency in latencies:
+        tenths = int(latency * 10)
+        counts[tenths] = counts.get(tenths, 0) + 1
+    return counts
 
 
 async def sse(url: str, token: str, count: int) -> None:

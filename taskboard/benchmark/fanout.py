@@ -45,6 +45,15 @@ def deliver(ctx: Any, server: Any, helper: Helper, commits: dict[int, float]) ->
     return helper.read(120)
 
 
+def add_delivery_figures(result: ScenarioResult, report: dict[str, Any], expected: int) -> None:
+    """The figures of a fan-out: latency from commit to delivery, and what arrived."""
+    result.add("commit-to-delivery p50", report["p50"], "ms")
+    result.add("commit-to-delivery p99", report["p99"], "ms", "< 100")
+    result.add(
+        "events delivered / expected", report["count"] / expected if expected else 0, "x", ">= 1.0"
+    )
+
+
 def run(ctx: Any, result: ScenarioResult) -> None:
     streams = ctx.pick(500, 1_000)
     seconds = ctx.pick(5.0, 30.0)
@@ -66,13 +75,8 @@ def run(ctx: Any, result: ScenarioResult) -> None:
             finally:
                 helper.close()
     expected = len(commits) * streams
-    result.add("commit-to-delivery p50", report["p50"], "ms")
-    result.add("commit-to-delivery p99", report["p99"], "ms", "< 100")
-    result.add(
-        "events delivered / expected", report["count"] / expected if expected else 0, "x", ">= 1.0"
-    )
-    result.add("server database connections (max)", sampler.max_open, "", "<= 5")
-    result.add("server memory (max RSS)", sampler.max_rss_mb, "MB", "< 300")
+    add_delivery_figures(result, report, expected)
+    sampler.add_figures(result)
     result.note(
         f"{streams:,} streams, {len(commits):,} events in {seconds:.0f} s; "
         f"{report['count']:,} deliveries of {expected:,}; p90 {report['p90']:.1f} ms, "

@@ -15,9 +15,11 @@ import json
 import math
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -378,7 +380,7 @@ class Database:
 
     def server_connections(self) -> tuple[int, int]:
         """Return (open, active) client connections to this database that are not the
-        benchmark's own: the server's worker threads, relay and replay pool."""
+        benchmark's own: the server's worker threads, relays and replay pools."""
         with self.scratch.maintenance() as conn:
             row = conn.execute(
                 """
@@ -488,6 +490,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def short_temp_dir() -> str:
+    """The temporary directory, or /tmp when its path is too long for Unix sockets in it."""
+    directory = tempfile.gettempdir()
+    return directory if len(directory) <= 40 else "/tmp"
+
+
 def raise_file_limit() -> None:
     """Raise this process's open-file limit to its hard limit (1,000 sockets and more)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -497,19 +505,46 @@ def raise_file_limit() -> None:
 
 
 class Server:
-    """``taskboard serve --no-migrate`` in a subprocess, on a free port, on one database."""
+    """``taskboard serve --no-migrate`` in a subprocess, on a free port, on one database.
 
-    def __init__(self, database: Database, log_path: Path, progress: Progress) -> None:
+    ``serve`` runs its defaults: one server process per CPU (uvicorn's workers, children
+    of ``serve``), unless ``workers`` says otherwise. With ``pushpin``, Pushpin listens on
+    the public port (:attr:`url`) in front of them (``serve --pushpin``), with its own data
+    directory so that it never touches another board's Pushpin.
+    """
+
+    def __init__(
+        self,
+        database: Database,
+        log_path: Path,
+        progress: Progress,
+        *,
+        workers: int | None = None,
+        pushpin: bool = False,
+    ) -> None:
         self.database = database
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.progress = progress
+        self.workers = workers
+        self.pushpin = pushpin
         self.process: subprocess.Popen[bytes] | None = None
+        self.data_dir: Path | None = None
         self.peak_rss = 0
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "taskboard.cli", "serve", "--no-migrate"]
+        command += ["--port", str(self.port)]
+        if self.workers is not None:
+            command += ["--workers", str(self.workers)]
+        if self.pushpin:
+            command.append("--pushpin")
+        return command
 
     def start(self, timeout: float = 60) -> Server:
         import httpx
+        from django.conf import settings
 
         env = {
             **os.environ,
@@ -518,18 +553,18 @@ class Server:
             "LOG_LEVEL": "WARNING",
             "PYTHONUNBUFFERED": "1",
         }
+        if self.pushpin:
+            # serve --pushpin keeps Pushpin's configuration and sockets under the data
+            # directory and kills what runs from there: give it one of its own (with the
+            # same secret key, which a fresh directory would otherwise make anew), short
+            # enough for the paths of Pushpin's Unix sockets (108 bytes at most).
+            self.data_dir = Path(tempfile.mkdtemp(prefix="tb-bench-", dir=short_temp_dir()))
+            env["TASKBOARD_DATA_DIR"] = str(self.data_dir)
+            env["SECRET_KEY"] = settings.SECRET_KEY
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "taskboard.cli",
-                "serve",
-                "--no-migrate",
-                "--port",
-                str(self.port),
-            ],
+            self.command(),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -538,27 +573,48 @@ class Server:
         )
         log.close()
         deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in {timeout} s; see {self.log_path}")
-            time.sleep(0.2)
-        self.progress(f"server up on port {self.port} (pid {self.process.pid})")
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited; see {self.log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the server did not start in {timeout} s; see {self.log_path}"
+                    )
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()  # no __exit__ follows a failed start: stop what did start
+            raise
+        processes = self.server_processes()
+        self.progress(
+            f"server up on port {self.port} (pid {self.process.pid}, "
+            f"{len(processes)} server process{'es' if len(processes) > 1 else ''}"
+            f"{', behind Pushpin' if self.pushpin else ''})"
+        )
         return self
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        import psutil
+
+        if self.process is not None and self.process.poll() is None:
+            # Found now, while serve is their parent: what a killed serve leaves behind.
+            descendants = []
+            with contextlib.suppress(psutil.Error):
+                descendants = psutil.Process(self.process.pid).children(recursive=True)
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+            for child in descendants:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self.start()
@@ -566,27 +622,70 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def rss_mb(self) -> float:
-        """Return the resident memory of the server (its process and any children), MB."""
+    def server_processes(self) -> list[Any]:
+        """The processes that serve requests: uvicorn's workers (children of ``serve``
+        started by multiprocessing's spawn, not Pushpin, not its resource tracker), or
+        ``serve`` itself when it runs one process."""
         import psutil
 
         assert self.process is not None
         try:
-            process = psutil.Process(self.process.pid)
-            total = process.memory_info().rss
-            for child in process.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += child.memory_info().rss
+            serve = psutil.Process(self.process.pid)
+            workers = [
+                child for child in serve.children() if "spawn_main" in " ".join(child.cmdline())
+            ]
         except psutil.Error:
-            return 0.0
-        self.peak_rss = max(self.peak_rss, total)
-        return total / 2**20
+            return []
+        return workers or [serve]
 
-    def cpu_percent(self, interval: float) -> float:
+    def all_processes(self) -> list[Any]:
+        """``serve`` and every process under it (workers, Pushpin and its services)."""
         import psutil
 
         assert self.process is not None
-        return float(psutil.Process(self.process.pid).cpu_percent(interval))
+        try:
+            serve = psutil.Process(self.process.pid)
+            return [serve, *serve.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def rss_mb(self) -> float:
+        """Return the resident memory of the server (its process and any children), MB."""
+        total = sum(_rss(process) for process in self.all_processes())
+        self.peak_rss = max(self.peak_rss, total)
+        return total / 2**20
+
+    def rss_per_process_mb(self) -> list[float]:
+        """Return the resident memory of each server process (:meth:`server_processes`)."""
+        return [_rss(process) / 2**20 for process in self.server_processes()]
+
+    def connections_per_process(self) -> tuple[list[int], int, int]:
+        """Return the server's database connections: how many each server process holds
+        (its sockets), all of them and how many are active (not idle), as PostgreSQL
+        counts them. The benchmark's own connections are not counted."""
+        processes = self.server_processes()
+        per_process = database_sockets([p.pid for p in processes], self.database.server)
+        open_, active = self.database.server_connections()
+        return per_process, open_, active
+
+    def cpu_percent(self, interval: float) -> float:
+        """Return the CPU use of ``serve`` and everything under it over ``interval``, in
+        percent of one CPU (200 is two CPUs busy)."""
+        import psutil
+
+        def times() -> dict[int, float]:
+            spent = {}
+            for process in self.all_processes():
+                with contextlib.suppress(psutil.Error):
+                    cpu = process.cpu_times()
+                    spent[process.pid] = cpu.user + cpu.system
+            return spent
+
+        before = times()
+        time.sleep(interval)
+        after = times()
+        used = sum(after[pid] - before.get(pid, after[pid]) for pid in after)
+        return 100 * used / interval
 
     def settle(self, *, below: float = 15.0, timeout: float = 30.0) -> None:
         """Wait (bounded) until the server's CPU use drops below ``below`` percent."""
@@ -596,15 +695,84 @@ class Server:
                 return
 
 
+def _rss(process: Any) -> int:
+    import psutil
+
+    try:
+        return int(process.memory_info().rss)
+    except psutil.Error:
+        return 0
+
+
+def database_sockets(pids: Sequence[int], server: ServerParams) -> list[int]:
+    """Return how many connections to the PostgreSQL ``server`` each process of ``pids``
+    holds, counted from the client's side (its sockets), in one look at each process.
+
+    Over TCP, a connection is a socket whose remote end is the server's port; over a Unix
+    socket (the embedded server's), one whose peer (``ss -x`` lists the peers) is a socket
+    of the server's ``.s.PGSQL.<port>`` (/proc/PID/fd names each process's sockets).
+    """
+    import psutil
+
+    port = server.port or 5432
+    if not server.host.startswith("/"):
+        counts = []
+        for pid in pids:
+            try:
+                found = psutil.Process(pid).net_connections(kind="tcp")
+            except psutil.Error:
+                found = []
+            counts.append(sum(1 for conn in found if conn.raddr and conn.raddr.port == port))
+        return counts
+    try:
+        listing = subprocess.run(
+            ["ss", "-x", "-n", "-H"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [0 for _ in pids]
+    listening = os.path.join(server.host, f".s.PGSQL.{port}")
+    peer_of: dict[int, int] = {}
+    server_ends: set[int] = set()
+    for line in listing.splitlines():
+        # u_str ESTAB 0 0 <local path or *> <inode> <peer path or *> <peer inode>
+        fields = line.split()
+        if len(fields) < 8 or not (fields[5].isdigit() and fields[7].isdigit()):
+            continue
+        local, peer = int(fields[5]), int(fields[7])
+        peer_of[local] = peer
+        if fields[4] == listening:
+            server_ends.add(local)
+    return [
+        sum(1 for inode in socket_inodes(pid) if peer_of.get(inode) in server_ends) for pid in pids
+    ]
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Return the inodes of the sockets that process ``pid`` has open."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    return inodes
+
+
 class Sampler:
-    """Sample the server's connections and memory in a thread while a block runs."""
+    """Sample the server's connections and memory in a thread while a block runs: the
+    most any one server process held, and the most all of them held together."""
 
     def __init__(self, server: Server, interval: float = 0.25) -> None:
         self.server = server
         self.interval = interval
-        self.max_open = 0
+        self.max_open = 0  # all server processes together
+        self.max_open_per_process = 0
         self.max_active = 0
-        self.max_rss_mb = 0.0
+        self.max_unattributed = 0
+        self.max_rss_mb = 0.0  # serve and everything under it
+        self.max_rss_per_process_mb = 0.0
+        self.max_processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -615,10 +783,17 @@ class Sampler:
 
     def sample(self) -> None:
         with contextlib.suppress(psycopg.Error):
-            open_, active = self.server.database.server_connections()
+            per_process, open_, active = self.server.connections_per_process()
             self.max_open = max(self.max_open, open_)
+            # Held by no server process found (serve itself, or one starting or ending).
+            self.max_unattributed = max(self.max_unattributed, open_ - sum(per_process))
+            self.max_open_per_process = max(self.max_open_per_process, *per_process, 0)
             self.max_active = max(self.max_active, active)
+            self.max_processes = max(self.max_processes, len(per_process))
         self.max_rss_mb = max(self.max_rss_mb, self.server.rss_mb())
+        self.max_rss_per_process_mb = max(
+            self.max_rss_per_process_mb, *self.server.rss_per_process_mb(), 0.0
+        )
 
     def __enter__(self) -> Sampler:
         self.sample()
@@ -629,6 +804,23 @@ class Sampler:
         self._stop.set()
         self._thread.join(5)
         self.sample()
+
+    def add_figures(self, result: ScenarioResult, *, rss_target: str = "< 300") -> None:
+        """Add the connection and memory figures: per server process against the targets,
+        and all processes together beside them."""
+        result.add(
+            "server database connections per process (max)",
+            self.max_open_per_process,
+            "",
+            "<= 5",
+        )
+        result.add(
+            f"server database connections, {self.max_processes} processes (max)", self.max_open
+        )
+        result.add(
+            "server memory per process (max RSS)", self.max_rss_per_process_mb, "MB", rss_target
+        )
+        result.add("server memory, serve and all under it (max RSS)", self.max_rss_mb, "MB")
 
 
 # -- helper processes ---------------------------------------------------------------------

@@ -26,7 +26,17 @@ from taskboard.benchmark.harness import (
 )
 
 # In running order: the cheap ones first.
-SCENARIOS = ["api", "peer", "history", "blocked", "queues", "fanout", "waiting", "churn"]
+SCENARIOS = [
+    "api",
+    "peer",
+    "history",
+    "blocked",
+    "queues",
+    "fanout",
+    "fanout_pushpin",
+    "waiting",
+    "churn",
+]
 
 
 @dataclass
@@ -47,8 +57,10 @@ class Context:
         """Point Django's default connection at ``database``, one of several held open."""
         self.scratch.use(database.name)
 
-    def server(self, database: Database) -> Server:
-        return Server(database, self.output_dir / "server.log", self.progress)
+    def server(self, database: Database, **options: Any) -> Server:
+        """The server under test on ``database``: ``serve``'s defaults, unless ``options``
+        (Server's ``workers``, ``pushpin``) say otherwise."""
+        return Server(database, self.output_dir / "server.log", self.progress, **options)
 
 
 def machine() -> dict[str, Any]:

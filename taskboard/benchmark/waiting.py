@@ -40,12 +40,11 @@ def run(ctx: Any, result: ScenarioResult) -> None:
     result.add("wake-up latency p50", report["p50"], "ms")
     result.add("wake-up latency p99", report["p99"], "ms", "< 100")
     result.add("tasks claimed by a waiter / created", report["count"] / len(commits), "x", ">= 1.0")
-    result.add("server database connections (max)", sampler.max_open, "", "<= 5")
-    result.add("server memory (max RSS)", sampler.max_rss_mb, "MB")
+    sampler.add_figures(result, rss_target="")
     result.note(
         f"{waiters:,} waiting claims, {len(commits)} tasks created {INTERVAL * 1000:.0f} ms "
         f"apart; p90 {report['p90']:.1f} ms, max {report['max']:.1f} ms; connections active "
-        f"at once (max) {sampler.max_active}; the server runs {settings.TASKBOARD_THREADS} "
-        "worker threads (the default), "
+        f"at once (max) {sampler.max_active}; each server process runs "
+        f"{settings.TASKBOARD_THREADS} worker threads (the default), "
         "each keeping its connection between requests"
     )
