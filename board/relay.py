@@ -472,20 +472,6 @@ class Relay:
             row = await cur.fetchone()
         return Cursor(int(row[0]), row[1]) if row else None
 
-    async def current_head(self) -> Cursor:
-        """Return the cursor of the last event committed now (below the horizon), read from
-        the database: where a stream that names no event starts, even if this relay has not
-        read the newest commits yet (a client that made an event and then opens a stream
-        must not be sent that event)."""
-        async with self.pool().connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(QUERIES["stream_horizon"])
-            horizon = await cur.fetchone()
-            assert horizon is not None
-            await cur.execute(QUERIES["stream_head"], {"horizon": horizon["horizon"]})
-            row = await cur.fetchone()
-        return Cursor(int(row["txid"]), row["id"]) if row else START
-
     def pool(self) -> AsyncConnectionPool:
         """Return the small pool used to replay what is no longer in memory."""
         if self._pool is None:

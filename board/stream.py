@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import psycopg
@@ -45,9 +46,11 @@ from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.middleware import database_unavailable, disallowed_host, error_response
 from board.models import QueueLimit
-from board.relay import Cursor, Relay, StreamEvent, get_relay
+from board.relay import START, Cursor, Relay, StreamEvent, get_relay
+from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PATH = "/api/v1/stream/"
 KEEPALIVE_SECONDS = 15.0
@@ -64,18 +67,29 @@ def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAcc
     the queues it may see; or None.
 
     A failure is counted against the client ``address``; an address over the limit is
-    refused before any lookup (``access.throttle.Throttled``). Runs in a worker
-    thread and closes that thread's database connection before returning.
+    refused before any lookup (``access.throttle.Throttled``). Runs on the stream's
+    database thread (:func:`on_database_thread`).
     """
-    try:
-        throttle.check(address)
-        user = _user(headers)
-        if user is None:
-            throttle.record_failure(address)
-            return None
-        return user, queue_access(user)
-    finally:
-        connection.close()
+    throttle.check(address)
+    user = _user(headers)
+    if user is None:
+        throttle.record_failure(address)
+        return None
+    return user, queue_access(user)
+
+
+def committed_head() -> Cursor:
+    """The cursor of the last event committed now (below the horizon, as the relay reads):
+    where a stream that names no event starts, even if this process's relay has not read
+    the newest commits yet (a client that made an event and then opens a stream must not
+    be sent it). Runs on the stream's database thread."""
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES["stream_horizon"])
+        columns = [column.name for column in cursor.description]
+        horizon = dict(zip(columns, cursor.fetchone(), strict=True))["horizon"]
+        cursor.execute(QUERIES["stream_head"], {"horizon": str(horizon)})
+        row = cursor.fetchone()
+    return Cursor(int(row[0]), row[1]) if row else START
 
 
 def _user(headers: dict[str, str]) -> Any:
@@ -273,7 +287,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     client = scope.get("client")
     address = str(client[0]) if client else ""
     try:
-        authorized = await sync_to_async(authorize, thread_sensitive=False)(headers, address)
+        authorized = await on_database_thread(authorize, headers, address)
     except throttle.Throttled as exc:
         await send_response(send, throttle.throttled(exc.seconds))
         return
@@ -303,7 +317,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         if event_id is None:
             # A new stream starts after what is committed now, wherever this process's
             # relay has got to.
-            head = await relay.current_head()
+            head = await on_database_thread(committed_head)
             after = head if relay.head is None or head > relay.head else None
         if held:
             await hold(send, relay, after, credentials_of(headers), access, preamble=True)
@@ -360,15 +374,33 @@ def next_link_query(scope: Scope) -> dict[str, str] | None:
     return {name: values[-1] for name, values in query.items()}
 
 
-# Re-checks of held streams' credentials (board.grip) run here, one at a time, on a
-# connection kept open between them: Pushpin asks every held stream's next link each
-# grip.recheck_seconds(), and a connection opened for each would cost more than the check.
-_recheck_executor = ThreadPoolExecutor(1, thread_name_prefix="taskboard-stream-recheck")
+# What the stream asks the database (authentication, where a new stream starts, and the
+# re-checks of held streams' credentials, board.grip) runs on one thread, on a connection
+# kept open between calls: opening one per stream would cost more than the query, and a
+# burst of a thousand streams opening (or of Pushpin's next links) would open as many.
+# With the token cache, most calls make no query at all.
+_database_thread = ThreadPoolExecutor(1, thread_name_prefix="taskboard-stream-db")
 
 
-async def close_recheck_connection() -> None:
-    """Close the connection the re-checks keep (ASGI lifespan shutdown)."""
-    await asyncio.get_running_loop().run_in_executor(_recheck_executor, _close_connection)
+async def on_database_thread(function: Callable[..., T], *args: Any) -> T:
+    """Run ``function(*args)`` on the stream's database thread."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _database_thread, functools.partial(_with_connection, function, *args)
+    )
+
+
+def _with_connection(function: Callable[..., T], *args: Any) -> T:
+    connection.close_if_unusable_or_obsolete()
+    try:
+        return function(*args)
+    except DatabaseError:
+        connection.close()  # broken, or the server restarted: the next call reconnects
+        raise
+
+
+async def close_database_thread_connection() -> None:
+    """Close the connection the stream's database thread keeps (ASGI lifespan shutdown)."""
+    await asyncio.get_running_loop().run_in_executor(_database_thread, _close_connection)
 
 
 def _close_connection() -> None:
@@ -378,7 +410,7 @@ def _close_connection() -> None:
 # What each held stream's credentials allowed when last checked, for
 # TASKBOARD_TOKEN_CACHE_SECONDS, as the API caches a token's lookup: a burst of next-link
 # requests (every stream, a second after it was held or after a publisher change) costs
-# one lookup per agent, not one per stream. Used on the one re-check thread only.
+# one lookup per agent, not one per stream. Used on the stream's database thread only.
 _rechecked: dict[Credentials, tuple[float, QueueAccess | None]] = {}
 
 
@@ -387,7 +419,6 @@ def _still_allowed(credentials: Credentials) -> QueueAccess | None:
     checked = _rechecked.get(credentials)
     if checked is not None and now - checked[0] < settings.TASKBOARD_TOKEN_CACHE_SECONDS:
         return checked[1]
-    connection.close_if_unusable_or_obsolete()
     access = reauthorize({credentials}, close=False).get(credentials)
     if len(_rechecked) >= 10_000:
         _rechecked.clear()
@@ -407,8 +438,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
     try:
         access = None
         if credentials is not None:
-            loop = asyncio.get_running_loop()
-            access = await loop.run_in_executor(_recheck_executor, _still_allowed, credentials)
+            access = await on_database_thread(_still_allowed, credentials)
         if credentials is None or access is None:
             await send_response(send, HttpResponse(status=204))
             return

@@ -90,7 +90,7 @@ async def lifespan(receive: Any, send: Any) -> None:
                     logger.exception("serving /mcp/ failed")
             await deliveries.stop_dispatcher()
             await grip.stop_publisher()
-            await stream.close_recheck_connection()
+            await stream.close_database_thread_connection()
             await stop_relays()
             await close_worker_connections()
             await send({"type": "lifespan.shutdown.complete"})
