@@ -161,6 +161,6 @@ def run(ctx: Any, result: ScenarioResult) -> None:
     result.note(
         f"{AGENTS} agents; median of {rounds} round(s) of {seconds:.0f} s each, API and raw SQL "
         "alternating; raw SQL = board/sql/transitions.sql 'claim' and 'complete' over 8 psycopg "
-        "connections; the server runs with its defaults (1 process, "
-        f"{settings.TASKBOARD_THREADS} threads), access log off"
+        "connections; the server runs with its defaults (one process per CPU, "
+        f"{settings.TASKBOARD_THREADS} threads each), access log off"
     )
