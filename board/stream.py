@@ -322,7 +322,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         if held:
             await hold(send, relay, after, credentials_of(headers), access, preamble=True)
             return
-    except (TimeoutError, OSError, psycopg.Error) as exc:
+    except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
         await unavailable(send)
         return

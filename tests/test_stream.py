@@ -715,3 +715,19 @@ def test_a_new_stream_starts_after_what_is_committed_even_if_the_relay_is_behind
     with StreamCollector(stream_url(server), watcher) as stream:
         after = transitions.create(actor=agent, title="after")
         assert stream.get(timeout=5)["json"]["task_id"] == after.id
+
+
+def test_a_new_stream_answers_503_when_the_database_fails_where_it_starts(
+    server: LiveServer, watcher: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a new stream starts is read from the database: if that fails, the answer is
+    the API's 503, not a 500 page."""
+    from django.db import OperationalError
+
+    def unavailable() -> Any:
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(stream_module, "committed_head", unavailable)
+    response = httpx.get(stream_url(server), headers=watcher, timeout=10)
+    assert response.status_code == 503
+    assert response.json()["error"] == "unavailable"
