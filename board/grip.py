@@ -234,10 +234,9 @@ class Publisher:
         self.relay = relay
         self.grip = grip
         self.prev = relay.head.id
-        self.last: dict[str, Any] | None = None
+        # The last event seen, with the id of the one before it.
+        self.last: tuple[int | str, StreamEvent] | None = None
         self.pending: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue()
-        self.published = 0
-        self.failures = 0
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
 
@@ -258,26 +257,25 @@ class Publisher:
             await self._client.aclose()
 
     def on_events(self, events: list[StreamEvent]) -> None:
+        if not events:
+            return
+        if not self.relay.leading:
+            # A follower only keeps what a new leader sends first: the last event and the
+            # id before it (the relay's hot path builds no message it will not send).
+            before = events[-2].cursor.id if len(events) > 1 else self.prev
+            self.last = (before, events[-1])
+            self.prev = events[-1].cursor.id
+            return
         items = []
         for event in events:
-            items.append(
-                {
-                    "channel": CHANNEL,
-                    "id": str(event.cursor.id),
-                    "prev-id": str(self.prev),
-                    "meta": {"require_sub": queue_channel(event.queue)},
-                    "formats": {"http-stream": {"content": event.sse.decode()}},
-                }
-            )
+            items.append(_item(self.prev, event))
             self.prev = event.cursor.id
-        if items:
-            self.last = items[-1]
-            if self.relay.leading:
-                self.pending.put_nowait(items)
+        self.last = (items[-1]["prev-id"], events[-1])
+        self.pending.put_nowait(items)
 
     def on_leadership(self, leading: bool) -> None:
         if leading and self.last is not None:
-            self.pending.put_nowait([self.last])
+            self.pending.put_nowait([_item(*self.last)])
         elif not leading:
             # Another process publishes from now on; what is queued here may be sent
             # twice otherwise. (Sent twice it would not be delivered twice: Pushpin
@@ -295,7 +293,6 @@ class Publisher:
             except Exception:
                 # This process holds the lead: it must go on publishing whatever one batch
                 # did. The streams that missed the batch are recovered by the next one.
-                self.failures += 1
                 logger.exception("grip: publishing %d events failed", len(items))
 
     async def _publish(self, items: list[dict[str, Any]]) -> None:
@@ -311,13 +308,22 @@ class Publisher:
                 self.grip.publish_url, json={"items": items}, headers=headers
             )
             response.raise_for_status()
-            self.published += len(items)
         except httpx.HTTPError as exc:
             # Pushpin is down or restarting: its connections are gone with it, and their
             # clients resume with Last-Event-ID. A lost publish otherwise is recovered by
             # the next one (its prev-id does not match).
-            self.failures += 1
             logger.warning("grip: could not publish %d events: %s", len(items), exc)
+
+
+def _item(prev_id: int | str, event: StreamEvent) -> dict[str, Any]:
+    """The publish item of ``event``, which follows the event ``prev_id``."""
+    return {
+        "channel": CHANNEL,
+        "id": str(event.cursor.id),
+        "prev-id": str(prev_id),
+        "meta": {"require_sub": queue_channel(event.queue)},
+        "formats": {"http-stream": {"content": event.sse.decode()}},
+    }
 
 
 _publishers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Publisher] = (
@@ -353,10 +359,6 @@ async def _start() -> None:
             await asyncio.sleep(DATABASE_RETRY_SECONDS)
     publisher = _publishers[asyncio.get_running_loop()] = Publisher(relay, grip)
     publisher.start()
-
-
-def running_publisher() -> Publisher | None:
-    return _publishers.get(asyncio.get_running_loop())
 
 
 async def stop_publisher() -> None:
