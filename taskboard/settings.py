@@ -167,9 +167,12 @@ if os.environ.get("DATABASE_URL"):
         "default": dj_database_url.parse(
             os.environ["DATABASE_URL"],
             conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300),
-            conn_health_checks=env_bool("DATABASE_HEALTH_CHECKS", False),
+            conn_health_checks=env_bool("DATABASE_HEALTH_CHECKS", True),
         )
     }
+    # Django's engine with a cheaper check of kept connections (taskboard/postgresql).
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        DATABASES["default"]["ENGINE"] = "taskboard.postgresql"
 else:
     DATABASES = {
         "default": {
@@ -177,7 +180,7 @@ else:
             "NAME": "taskboard",
             "USER": "postgres",
             "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300),
-            "CONN_HEALTH_CHECKS": env_bool("DATABASE_HEALTH_CHECKS", False),
+            "CONN_HEALTH_CHECKS": env_bool("DATABASE_HEALTH_CHECKS", True),
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
     }

@@ -8,9 +8,9 @@ from typing import Any
 
 import psycopg
 import psycopg.sql
-from django.db.backends.postgresql import base
 
 from taskboard import embedded
+from taskboard.postgresql import base
 
 _ensured: set[tuple[str, str]] = set()
 _ensured_lock = threading.Lock()

@@ -68,6 +68,55 @@ class Background(threading.Thread):
             raise self.error
 
 
+def server_sessions(killer: Any) -> int:
+    row = killer.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = %s",
+        [SERVER_APPLICATION_NAME],
+    ).fetchone()
+    return int(row[0])
+
+
+def test_sessions_ended_between_requests_are_replaced_before_the_next_request(
+    start_serve: Callable[..., ServeProcess],
+    token_for: Callable[[str], str],
+    open_raw_connection: Callable[..., Any],
+) -> None:
+    """A kept connection that PostgreSQL ended while it was idle is found and replaced
+    when the next request starts (taskboard/postgresql): no request answers 503 for it.
+    Without the check, the first request on each of the server's threads answered 503."""
+    token = token_for("idle-agent")
+    server = start_serve("--workers", "1")  # one process: its threads' connections are known
+    killer = open_raw_connection(autocommit=True)
+    headers = {"Authorization": f"Bearer {token}"}
+    statuses: Counter[int] = Counter()
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+
+        def burst() -> None:
+            def one(n: int) -> None:
+                response = http.post("/api/v1/tasks/", json={"title": f"t{n}", "queue": QUEUE})
+                statuses[response.status_code] += 1
+
+            threads = [threading.Thread(target=one, args=(n,)) for n in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+
+        burst()  # every thread of the server keeps a connection now
+        assert statuses == Counter({201: 16}), statuses
+        kept = server_sessions(killer)
+        assert kept >= 2, kept
+        killer.execute(TERMINATE, [[SERVER_APPLICATION_NAME]])
+        eventually(lambda: server_sessions(killer) == 0, what="the sessions ended")
+        statuses.clear()
+        burst()
+        for _ in range(8):
+            statuses[http.get("/api/v1/tasks/?limit=1").status_code] += 1
+    assert statuses == Counter({201: 16, 200: 8}), statuses
+    assert server.server_errors() == []
+
+
 def test_terminated_backends_lose_no_event_and_answer_503_not_500(
     start_serve: Callable[..., ServeProcess],
     token_for: Callable[[str], str],
