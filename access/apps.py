@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
+from django.db import connection
 
 
 class AccessConfig(AppConfig):
@@ -10,8 +13,19 @@ class AccessConfig(AppConfig):
     verbose_name = "Access"
 
     def ready(self) -> None:
-        from django.contrib.auth.signals import user_login_failed
+        from django.contrib.auth.signals import user_logged_out, user_login_failed
 
         from access import throttle
 
         user_login_failed.connect(throttle.on_login_failed, dispatch_uid="access.throttle")
+        user_logged_out.connect(announce_logout, dispatch_uid="access.logout")
+
+
+def announce_logout(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
+    """A logout changes the user's credentials: announce it as the database announces the
+    others (migration board 0014, board.revocation), so that the streams that the ended
+    session opened end now rather than at their next re-check."""
+    if user is None or user.pk is None:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_notify('credentials_changed', %s)", [str(user.pk)])

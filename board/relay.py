@@ -51,6 +51,8 @@ QUEUE_CHANNEL = "task_queues"
 # Deliveries were made or re-armed (migration 0012, board.transitions.retry_deliveries):
 # wakes this process's dispatcher (board.deliveries).
 DELIVERY_CHANNEL = "webhook_deliveries"
+# An account's credentials changed (migration 0014): the user's id, for board.revocation.
+CREDENTIALS_CHANNEL = "credentials_changed"
 SSE_EVENT_TYPE = "task_event"
 # The advisory lock whose holder publishes the events to Pushpin (board.grip): any fixed
 # bigint, unlikely to be used elsewhere.
@@ -208,6 +210,9 @@ class Relay:
         # Called on each notification of new deliveries, and after each (re)connect, since
         # one may have come while the connection was down.
         self.delivery_listeners: set[Callable[[], None]] = set()
+        # Called with a user's id when their token, queue limit, password or status changed;
+        # with None after each (re)connect, since one may have changed meanwhile.
+        self.credential_listeners: set[Callable[[int | None], None]] = set()
         self.subscriber_queue = subscriber_queue
         self.batch = batch
         self.reconnects = 0
@@ -278,6 +283,7 @@ class Relay:
             await conn.execute(f"LISTEN {CHANNEL}")
             await conn.execute(f"LISTEN {QUEUE_CHANNEL}")
             await conn.execute(f"LISTEN {DELIVERY_CHANNEL}")
+            await conn.execute(f"LISTEN {CREDENTIALS_CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
                 cur = await conn.execute(QUERIES["stream_horizon"])
@@ -292,6 +298,8 @@ class Relay:
             self._listening_since = time.monotonic()
             self.connected.set()
             self._deliveries_made()
+            if self.reconnects:
+                self._credentials_changed("")
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
             while True:
                 # Woken by a notification; while events wait behind an older transaction
@@ -305,6 +313,8 @@ class Relay:
                         self._queue_changed(notify.payload)
                     elif notify.channel == DELIVERY_CHANNEL:
                         self._deliveries_made()
+                    elif notify.channel == CREDENTIALS_CHANNEL:
+                        self._credentials_changed(notify.payload)
                 if window := self.coalesce_window():
                     # Many streams: let the commits of the next few milliseconds join this
                     # read, so that each stream is written to once for all of them.
@@ -366,6 +376,15 @@ class Relay:
                 listener(queue)
             except Exception:
                 logger.exception("relay: a queue listener failed")
+
+    def _credentials_changed(self, payload: str) -> None:
+        """Tell the listeners whose credentials changed ("": anyone's may have)."""
+        user_id = int(payload) if payload.isascii() and payload.isdigit() else None
+        for listener in list(self.credential_listeners):
+            try:
+                listener(user_id)
+            except Exception:
+                logger.exception("relay: a credentials listener failed")
 
     def _deliveries_made(self) -> None:
         for listener in list(self.delivery_listeners):
@@ -503,7 +522,12 @@ async def get_relay() -> Relay:
         conninfo = await sync_to_async(django_conninfo)()
         # Behind Pushpin (GRIP_URL), every process's relay competes to publish (board.grip).
         leader_key = LEADER_LOCK if settings.GRIP_URL else None
-        relay = _relays.setdefault(loop, Relay(conninfo, leader_key=leader_key))
+        relay = _relays.get(loop)
+        if relay is None:
+            relay = _relays[loop] = Relay(conninfo, leader_key=leader_key)
+            from board import revocation  # it reaches the stream, which needs the relay
+
+            relay.credential_listeners.add(revocation.credentials_changed)
     await relay.start()
     await relay.open_pool()
     return relay

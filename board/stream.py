@@ -223,13 +223,34 @@ def close_stream(stream: OpenStream) -> None:
         task.cancel()  # nothing left to re-check; the next stream starts it again
 
 
+# Set when credentials changed (board.revocation): the open streams are re-checked now.
+_recheck_wanted: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def recheck_now() -> None:
+    """Credentials changed (board.revocation): re-check this process's open streams now,
+    and look held streams' credentials up again when Pushpin next asks."""
+    _rechecked.clear()
+    with contextlib.suppress(RuntimeError):  # no event loop: no open stream either
+        loop = asyncio.get_running_loop()
+        if _open_streams.get(loop):
+            _recheck_wanted.setdefault(loop, asyncio.Event()).set()
+
+
 async def _recheck_open_streams() -> None:
-    """Every recheck_seconds(), look up the credentials of this process's open streams at
-    once (each distinct token or session once): revoked ones end their streams, which
-    the client then reopens and gets 401; the rest take up their current queue limit."""
-    streams = _open_streams[asyncio.get_running_loop()]
+    """Every recheck_seconds(), or at once when credentials changed (recheck_now), look up
+    the credentials of this process's open streams together (each distinct token or
+    session once): revoked ones end their streams, which the client then reopens and gets
+    401; the rest take up their current queue limit."""
+    loop = asyncio.get_running_loop()
+    streams = _open_streams[loop]
+    wanted = _recheck_wanted.setdefault(loop, asyncio.Event())
     while True:
-        await asyncio.sleep(recheck_seconds())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wanted.wait(), recheck_seconds())
+        wanted.clear()
         batch = list(streams)
         try:
             allowed = await sync_to_async(reauthorize, thread_sensitive=False)(
@@ -307,7 +328,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         detail = "Invalid request: lastEventId: Give this parameter once."
         await send_response(send, error_response(400, "invalid", detail, fields=fields))
         return
-    _, access = authorized
+    user, access = authorized
     # Behind Pushpin, answer at once and let Pushpin hold the stream (board.grip).
     held = scope["method"] == "GET" and grip.proxied(headers)
     try:
@@ -320,7 +341,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
             head = await on_database_thread(committed_head)
             after = head if relay.head is None or head > relay.head else None
         if held:
-            await hold(send, relay, after, credentials_of(headers), access, preamble=True)
+            await hold(send, relay, after, credentials_of(headers), user.pk, access, preamble=True)
             return
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
@@ -434,12 +455,12 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
     (``Grip-Last``) and held again. Otherwise it is not held again, and Pushpin ends it:
     the client's reconnection is then refused (401)."""
     query = next_link_query(scope) or {}
-    credentials = grip.unseal(query.get("auth", ""))
+    sealed = grip.unseal(query.get("auth", ""))
     try:
         access = None
-        if credentials is not None:
-            access = await on_database_thread(_still_allowed, credentials)
-        if credentials is None or access is None:
+        if sealed is not None:
+            access = await on_database_thread(_still_allowed, sealed[0])
+        if sealed is None or access is None:
             await send_response(send, HttpResponse(status=204))
             return
         relay = await get_relay()
@@ -447,7 +468,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
         if event_id is None and RESUME_ID.fullmatch(query.get("after", "")):
             event_id = int(query["after"])
         after = await relay.cursor_of(event_id) if event_id is not None else None
-        await hold(send, relay, after, credentials, access, preamble=False)
+        await hold(send, relay, after, *sealed, access, preamble=False)
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         # Pushpin asks again a little later.
         logger.warning("stream: database unavailable: %s", exc)
@@ -459,6 +480,7 @@ async def hold(
     relay: Relay,
     after: Cursor | None,
     credentials: Credentials,
+    user_id: int,
     access: QueueAccess,
     *,
     preamble: bool,
@@ -489,6 +511,7 @@ async def hold(
                     PATH,
                     position.id,
                     credentials,
+                    user_id,
                     access,
                     hold=not more,
                     keepalive=KEEPALIVE_SECONDS,

@@ -85,6 +85,17 @@ def remember(digest: str, user: Any, token: Any = None) -> None:
         _token_cache[digest] = (user, token, time.monotonic() + ttl)
 
 
+def forget(user_id: int | None) -> None:
+    """Drop the cached lookups of ``user_id``'s token (None: every one): their credentials
+    changed (board.revocation)."""
+    if user_id is None:
+        _token_cache.clear()
+        return
+    for digest, (user, _, _) in list(_token_cache.items()):
+        if user.pk == user_id:
+            _token_cache.pop(digest, None)
+
+
 _TOKEN_CACHE_SIZE = 10_000
 # SHA-256 digest of the token -> (user, token, monotonic expiry). Dict reads and writes are
 # atomic under the GIL; two threads missing at once both query and store the same answer.
