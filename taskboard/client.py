@@ -191,6 +191,13 @@ _BY_CODE: dict[str, type[TaskboardError]] = {
 }
 
 
+# Answers after which a request is tried again: the board's 503 (its database is
+# unavailable: nothing was done), and a proxy's 502 and 504 (the board was not reached, or
+# did not answer in time: only repeatable requests, and the stream).
+GATEWAY_ERRORS = frozenset({502, 504})
+RETRIED_STATUSES = frozenset({503}) | GATEWAY_ERRORS
+
+
 def error_from_response(response: httpx.Response) -> TaskboardError:
     """Return the exception for an error ``response`` (any status >= 400)."""
     error = _error_from_response(response)
@@ -871,7 +878,7 @@ class Client:
                 ) as response:
                     if response.status_code != 200:
                         response.read()
-                        if response.status_code != 503:
+                        if response.status_code not in RETRIED_STATUSES:
                             raise error_from_response(response)
                         failures += 1
                     else:
@@ -981,7 +988,12 @@ class Client:
                 if response.status_code < 400:
                     return response.json() if response.content else None
                 failure = error_from_response(response)
-                if response.status_code != 503:
+                if response.status_code in GATEWAY_ERRORS:
+                    # A proxy in front (Pushpin, a load balancer) did not get an answer
+                    # from the board: like a lost answer, the request may have run.
+                    if not repeatable:
+                        raise failure
+                elif response.status_code != 503:
                     raise failure
                 with contextlib.suppress(ValueError):
                     retry_after = float(response.headers.get("Retry-After", ""))

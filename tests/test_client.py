@@ -4,6 +4,7 @@ made to answer 503 on cue)."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import subprocess
@@ -1035,3 +1036,45 @@ def test_the_client_and_the_worker_import_without_django() -> None:
         [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+BAD_GATEWAY = httpx.Response(502, text="Error while proxying to origin.\n")
+
+
+def test_a_proxy_s_502_is_retried_only_when_that_is_harmless(pauses: list[float]) -> None:
+    """Pushpin answers 502 to new requests it cannot pass on at once (a burst: README,
+    Deploying at scale). As after a lost answer, a read or a create (one Idempotency-Key)
+    is sent again; a claim may have run, so its 502 is raised."""
+    read = Script(BAD_GATEWAY, httpx.Response(200, json=TASK_JSON))
+    assert scripted(read).get(7).id == 7
+    create = Script(BAD_GATEWAY, httpx.Response(201, json=TASK_JSON))
+    assert scripted(create).create("t").id == 7
+    assert len(read.requests) == len(create.requests) == 2
+
+    claim = Script(BAD_GATEWAY, httpx.Response(200, json={"tasks": []}))
+    with pytest.raises(TaskboardError) as refused:
+        scripted(claim).claim()
+    assert refused.value.status == 502
+    assert len(claim.requests) == 1
+
+
+def test_the_stream_reconnects_after_a_proxy_s_502(pauses: list[float]) -> None:
+    event = {
+        "id": 5,
+        "task_id": 7,
+        "type": "created",
+        "status": "pending",
+        "actor": "agent-smith",
+        "payload": {},
+        "created_at": "2025-01-01T00:00:00+00:00",
+    }
+    body = f"retry: 1000\nid: 5\nevent: task_event\ndata: {json.dumps(event)}\n\n"
+    script = Script(
+        BAD_GATEWAY,
+        httpx.Response(200, text=body, headers={"Content-Type": "text/event-stream"}),
+    )
+
+    first = next(scripted(script).stream())
+
+    assert (first.id, first.stream_id) == (5, "5")
+    assert len(script.requests) == 2
