@@ -15,15 +15,18 @@ as an ordinary, short request (authentication, validation, the claim statement):
    One new task wakes one waiter, the others keep waiting; a waiter that finds the task
    gone (another agent was faster) waits again at its place in line.
 3. Work can also become claimable without an event: a ``run_after`` coming due, or a
-   lease running out. An empty attempt reports when that next happens for its queues
-   (the internal ``Taskboard-Next-Claimable`` header, from the claim view), and the
-   waiter wakes itself then. While claims wait, the room also sets a timer for each
-   lease and ``run_after`` that the relay reports.
+   lease running out. An empty attempt reports when that next happens for its queues,
+   and the waiter wakes itself then. While claims wait, the room also sets a timer for
+   each lease and ``run_after`` that the relay reports.
 
-4. An agent limited to queues (board.access) waits only for its own: Django's answer to
-   an empty attempt names the queues the claim took from (the internal
-   ``Taskboard-Claim-Queues`` header), and the waiter is woken for those alone, so that it
-   never takes a wake-up meant for a claim that may have the task.
+4. An agent limited to queues (board.access) waits only for its own: an empty attempt
+   reports the queues the claim took from, and the waiter is woken for those alone, so
+   that it never takes a wake-up meant for a claim that may have the task.
+
+The claim view reports (3) and (4) on an :class:`EmptyClaim` that the waiter puts in the
+request's ASGI scope (``taskboard.empty_claim``; a2wsgi hands the scope to Django as
+``environ["asgi.scope"]``): an object in the process, never a header on the wire. A claim
+that no waiter sent (no such object) reports nothing and costs no query for it.
 
 The waiter joins the room before its first attempt, so a task committed while an attempt
 runs still wakes it: no wake-up is lost between an empty attempt and the wait.
@@ -39,6 +42,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from board import conf
 from board.asgi_tools import (
@@ -58,15 +62,29 @@ from board.relay import Relay, StreamEvent, get_relay
 logger = logging.getLogger(__name__)
 
 CLAIM_PATH = "/api/v1/tasks/claim/"
-HINT_HEADER = b"taskboard-next-claimable"
-# Internal too: the queues an empty claim took from, when its agent is limited to queues.
-QUEUES_HEADER = b"taskboard-claim-queues"
-INTERNAL_HEADERS = {HINT_HEADER, QUEUES_HEADER}
+SCOPE_KEY = "taskboard.empty_claim"
 # Events after which the task is pending (and so possibly claimable) again.
 RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired", "unblocked"}
 LEASE_EVENTS = {"claimed", "heartbeat"}
 
 _sequence = itertools.count()
+
+
+@dataclass
+class EmptyClaim:
+    """What the claim view reports to the waiter about an attempt that claimed nothing."""
+
+    # When work next becomes claimable in its queues without an event (a time.time()).
+    next_claimable: float | None = None
+    # The queues the claim took from, when its agent is limited to queues.
+    queues: frozenset[str] | None = None
+
+
+def empty_claim_report(request: Any) -> EmptyClaim | None:
+    """The waiter's EmptyClaim for this claim request, or None when no waiter sent it."""
+    scope = getattr(request, "scope", None) or request.META.get("asgi.scope") or {}
+    report = scope.get(SCOPE_KEY)
+    return report if isinstance(report, EmptyClaim) else None
 
 
 @dataclass(eq=False)
@@ -209,12 +227,6 @@ class CapturedResponse:
     def status(self) -> int:
         return int(self.start["status"])
 
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.start.get("headers", []):
-            if key.lower() == name:
-                return bytes(value)
-        return None
-
     def claimed_nothing(self) -> bool:
         if self.status != 200:
             return False
@@ -224,10 +236,7 @@ class CapturedResponse:
             return False
 
     async def send_to(self, send: Send) -> None:
-        headers = [
-            (k, v) for k, v in self.start.get("headers", []) if k.lower() not in INTERNAL_HEADERS
-        ]
-        await send({**self.start, "headers": headers})
+        await send(self.start)
         await send({"type": "http.response.body", "body": self.body})
 
 
@@ -272,18 +281,16 @@ class WaitingClaims:
         shutdown = asyncio.ensure_future(closing().wait())
         try:
             while True:
-                response = await self._attempt(scope, body)
-                limit = response.header(QUEUES_HEADER)
-                if limit:
-                    room.narrow(waiter, frozenset(limit.decode("latin-1").split(",")))
+                report = EmptyClaim()
+                response = await self._attempt({**scope, SCOPE_KEY: report}, body)
+                if report.queues is not None:
+                    room.narrow(waiter, report.queues)
                 if not response.claimed_nothing() or time.time() >= deadline or shutdown.done():
                     await response.send_to(send)
                     return
                 until = deadline
-                hint = response.header(HINT_HEADER)
-                if hint:
-                    with contextlib.suppress(ValueError):
-                        until = min(until, float(hint) + 0.01)
+                if report.next_claimable is not None:
+                    until = min(until, report.next_claimable + 0.01)
                 waiting = asyncio.ensure_future(room.wait(waiter, until))
                 await asyncio.wait(
                     {waiting, disconnected, shutdown}, return_when=asyncio.FIRST_COMPLETED

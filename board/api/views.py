@@ -276,18 +276,15 @@ class TaskViewSet(BoardViewSet):
         for claim in claims:
             claim.task.lease_token = claim.lease_token
             tasks.append(claim.task)
-        response = Response({"tasks": s.render_many(s.ClaimedTaskSerializer, tasks)})
-        if not tasks and data["wait"] > 0:
+        if not tasks and (report := waiting.empty_claim_report(request)) is not None:
             # For board.waiting, which holds the request between attempts: when work next
-            # becomes claimable without an event to announce it.
+            # becomes claimable without an event to announce it, and the queues this claim
+            # takes from (fewer than its body named, for an agent limited to queues).
             at = Task.objects.next_claimable_at(queues)
-            if at is not None:
-                response[waiting.HINT_HEADER.decode()] = str(at.timestamp())
+            report.next_claimable = at.timestamp() if at is not None else None
             if self.access.limited:
-                # The queues this claim takes from, which may be fewer than its body named:
-                # board.waiting wakes it only for these.
-                response[waiting.QUEUES_HEADER.decode()] = ",".join(queues)
-        return response
+                report.queues = frozenset(queues)
+        return Response({"tasks": s.render_many(s.ClaimedTaskSerializer, tasks)})
 
     def _transition(self, pk: str, transition: Any, serializer_class: Any) -> Response:
         """Validate the body with ``serializer_class``, apply ``transition``, render the task."""
