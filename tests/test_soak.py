@@ -50,5 +50,8 @@ def test_a_short_soak_prints_the_servers_resources_and_sees_no_server_error(
     assert data["actions"]["create"] > 0 and data["actions"]["complete"] > 0
     assert data["actions"]["stream"] > 0 and data["actions"]["read"] > 0
     assert all(sample["rss_mb"] > 0 and sample["fds"] > 0 for sample in data["samples"])
+    # The server processes' sockets are counted: the load's connections add to the idle
+    # server's (counting ``serve`` alone, which only listens, it stayed flat).
+    assert max(sample["fds"] for sample in data["samples"]) > data["samples"][0]["fds"]
     assert max(sample["connections"] for sample in data["samples"]) >= 1
     assert databases_named_like(prefix) == []

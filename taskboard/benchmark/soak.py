@@ -273,8 +273,10 @@ def sample(server: Server, started: float, answered: int) -> Sample:
     import psutil
 
     assert server.process is not None
+    # Summed over ``serve`` and every process under it, as the RSS is: with one process
+    # per CPU, ``serve`` itself holds only its listening sockets.
     try:
-        fds = psutil.Process(server.process.pid).num_fds()
+        fds = sum(process.num_fds() for process in server.all_processes())
     except psutil.Error:
         fds = -1
     try:
