@@ -431,7 +431,8 @@ def _close_connection() -> None:
 # What each held stream's credentials allowed when last checked, for
 # TASKBOARD_TOKEN_CACHE_SECONDS, as the API caches a token's lookup: a burst of next-link
 # requests (every stream, a second after it was held or after a publisher change) costs
-# one lookup per agent, not one per stream. Used on the stream's database thread only.
+# one lookup per agent, not one per stream. Read and written on the stream's database
+# thread; emptied from the event loop when credentials change (recheck_now).
 _rechecked: dict[Credentials, tuple[float, QueueAccess | None]] = {}
 
 
