@@ -63,7 +63,6 @@ CHANNEL = "events"
 # Events per POST to Pushpin, and per answer to a stream request (more follow by the
 # ``next`` link).
 PUBLISH_BATCH = 500
-CLOSE = {"action": "close"}
 PAGE_EVENTS = 1000
 
 
@@ -134,30 +133,27 @@ def _cipher() -> AESSIV:
     return AESSIV(key)
 
 
-def seal(credentials: tuple[str, str], user_id: int) -> str:
+def seal(credentials: tuple[str, str]) -> str:
     """Encrypt a stream's credentials (board.stream.Credentials: a token's digest, or a
-    session key) and its user's id for its ``next`` link: Pushpin asks that link without
-    the client's headers, and logs its URL, so the link carries them, unreadable and
-    unforgeable.
+    session key) for its ``next`` link: Pushpin asks that link without the client's
+    headers, and logs its URL, so the link carries them, unreadable and unforgeable.
 
     Deterministic (AES-SIV): every stream of one token gets the same link, and Pushpin,
     which recovers held streams ten links a second, recovers up to a hundred streams
     sharing a link at once, with one request to the board.
     """
-    sealed = _cipher().encrypt(json.dumps([*credentials, user_id]).encode(), None)
+    sealed = _cipher().encrypt(json.dumps(list(credentials)).encode(), None)
     return base64.urlsafe_b64encode(sealed).decode().rstrip("=")
 
 
-def unseal(sealed: str) -> tuple[tuple[str, str], int] | None:
-    """The credentials and user id :func:`seal` encrypted, or None for anything else."""
+def unseal(sealed: str) -> tuple[str, str] | None:
+    """The credentials :func:`seal` encrypted, or None for anything else."""
     try:
         raw = base64.urlsafe_b64decode(sealed + "=" * (-len(sealed) % 4))
-        kind, key, user_id = json.loads(_cipher().decrypt(raw, None))
+        kind, key = json.loads(_cipher().decrypt(raw, None))
     except (InvalidTag, ValueError, TypeError):
         return None
-    if not isinstance(user_id, int):
-        return None
-    return (str(kind), str(key)), user_id
+    return str(kind), str(key)
 
 
 def recheck_seconds() -> int:
@@ -171,35 +167,25 @@ def queue_channel(queue: str) -> str:
     return f"queue-{queue}"
 
 
-def user_channel(user_id: int) -> str:
-    """The channel of a user's held streams, on which they are closed when the user's
-    credentials changed (:meth:`Publisher.close_streams_of`)."""
-    return f"user-{user_id}"
+def channels(prev_id: int, access: QueueAccess) -> list[Channel]:
+    """The channels of a held stream whose last event is ``prev_id``.
 
-
-def channels(prev_id: int, access: QueueAccess, user_id: int) -> list[Channel]:
-    """The channels of a held stream of ``user_id`` whose last event is ``prev_id``.
-
-    Every stream follows ``events``, and its user's channel (:func:`user_channel`). A
-    stream limited to queues (board.access) has the ``require-sub`` filter on ``events``
-    and a channel per allowed queue: Pushpin then sends it only the events published with
-    one of those as ``require_sub``, and still advances its last id past the others, so
-    that they are no gap.
+    Every stream follows ``events``. A stream limited to queues (board.access) has the
+    ``require-sub`` filter on it and a channel per allowed queue: Pushpin then sends it only
+    the events published with one of those as ``require_sub``, and still advances its last
+    id past the others, so that they are no gap.
     """
     events = Channel(CHANNEL, prev_id=str(prev_id))
-    user = Channel(user_channel(user_id))
     if not access.limited:
-        return [events, user]
+        return [events]
     events.filters.append("require-sub")
-    queues = [Channel(queue_channel(queue)) for queue in sorted(access.queues or ())]
-    return [events, user, *queues]
+    return [events, *(Channel(queue_channel(queue)) for queue in sorted(access.queues or ()))]
 
 
 def hold_headers(
     path: str,
     prev_id: int,
     credentials: tuple[str, str],
-    user_id: int,
     access: QueueAccess,
     *,
     hold: bool,
@@ -212,9 +198,9 @@ def hold_headers(
     :func:`recheck_seconds`. Not held (more to replay), Pushpin asks the ``next`` link at
     once and appends its answer.
     """
-    header = create_grip_channel_header(channels(prev_id, access, user_id))
+    header = create_grip_channel_header(channels(prev_id, access))
     headers = [(b"grip-channel", header.encode())]
-    link = f"{path}?{urlencode({'link': 'next', 'auth': seal(credentials, user_id)})}"
+    link = f"{path}?{urlencode({'link': 'next', 'auth': seal(credentials)})}"
     if hold:
         keepalive_seconds = max(1, math.ceil(keepalive))  # Pushpin counts whole seconds
         headers += [
@@ -286,20 +272,6 @@ class Publisher:
             self.prev = event.cursor.id
         self.last = (items[-1]["prev-id"], events[-1])
         self.pending.put_nowait(items)
-
-    def close_streams_of(self, user_id: int) -> None:
-        """End the user's held streams, if this process publishes: their credentials
-        changed (board.revocation). Each client reconnects and resumes after its last
-        event: refused (401) if revoked, under its new queue limit if that changed.
-
-        Closed rather than re-checked in place: a message on the user's channel that makes
-        Pushpin ask each stream's ``next`` link (a ``prev-id`` nobody has) did that, but
-        a second channel with ``prev-id`` on every stream made Pushpin 1.36 lose events on
-        the ``events`` channel now and then (tests/test_stream.py, Pushpin path).
-        """
-        if self.relay.leading:
-            item = {"channel": user_channel(user_id), "formats": {"http-stream": CLOSE}}
-            self.pending.put_nowait([item])
 
     def on_leadership(self, leading: bool) -> None:
         if leading and self.last is not None:
@@ -387,15 +359,6 @@ async def _start() -> None:
             await asyncio.sleep(DATABASE_RETRY_SECONDS)
     publisher = _publishers[asyncio.get_running_loop()] = Publisher(relay, grip)
     publisher.start()
-
-
-def close_streams_of(user_id: int) -> None:
-    """End ``user_id``'s streams held in Pushpin: their credentials changed. Only the
-    publishing process sends the close (every process hears the change)."""
-    with contextlib.suppress(RuntimeError):  # no event loop: no publisher either
-        publisher = _publishers.get(asyncio.get_running_loop())
-        if publisher is not None:
-            publisher.close_streams_of(user_id)
 
 
 async def stop_publisher() -> None:
