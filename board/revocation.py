@@ -19,10 +19,6 @@ periodic re-check of open streams, and Pushpin's re-check of held streams.
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 
 def credentials_changed(user_id: int | None) -> None:
     """Relay listener: ``user_id``'s credentials changed (None: anyone's may have)."""
