@@ -556,13 +556,12 @@ async def events(
                         written = time.monotonic()
                 last = max(last, upto)
             quiet = written + KEEPALIVE_SECONDS - time.monotonic()
-            try:
-                first = await asyncio.wait_for(subscriber.queue.get(), max(quiet, 0.0))
-            except TimeoutError:
-                yield b": keep-alive\n\n"
-                written = time.monotonic()
-                continue
-            queued = [first, *subscriber.drain()]
+            queued = await subscriber.wait(max(quiet, 0.0))
+            if not queued:
+                if time.monotonic() - written >= KEEPALIVE_SECONDS:
+                    yield b": keep-alive\n\n"
+                    written = time.monotonic()
+                continue  # (or lagging: replayed at the top)
             live = [event for event in queued if event is not None]
             chunk = sse([event for event in live if event.cursor > last])
             if live:

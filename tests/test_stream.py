@@ -273,6 +273,38 @@ def test_a_lagging_subscriber_catches_up_without_gaps(agent: Any) -> None:
         thread.join(5)
 
 
+def test_a_subscriber_hands_over_what_was_offered_and_wakes_for_the_stop() -> None:
+    """Subscriber.wait: what came meanwhile at once, [] after the timeout, a wake-up on the
+    next offer, and the stop (None) even when the subscriber lags."""
+
+    def event(n: int) -> relay_module.StreamEvent:
+        return relay_module.StreamEvent(
+            relay_module.Cursor(1, n), n, "created", "pending", "q", None, None, b""
+        )
+
+    async def scenario() -> None:
+        subscriber = relay_module.Subscriber(relay_module.START, maxsize=3)
+        subscriber.offer([event(1), event(2)])
+        assert [e.task_id for e in await subscriber.wait(5) if e] == [1, 2]
+
+        started = time.monotonic()
+        assert await subscriber.wait(0.05) == []
+        assert 0.04 < time.monotonic() - started < 1
+
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, subscriber.offer, [event(3)])
+        woken = await asyncio.wait_for(subscriber.wait(30), 5)
+        assert [e.task_id for e in woken if e] == [3]
+
+        subscriber.offer([event(4), event(5), event(6), event(7)])  # more than maxsize
+        assert subscriber.lagging
+        assert await asyncio.wait_for(subscriber.wait(30), 1) == []
+        subscriber.close()
+        assert await asyncio.wait_for(subscriber.wait(30), 1) == [None]
+
+    asyncio.run(scenario())
+
+
 def test_resuming_from_id_zero_replays_the_whole_log(
     server: LiveServer, watcher: dict[str, str], agent: Any
 ) -> None:
