@@ -284,6 +284,9 @@ TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
 # Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
 TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
 
+# Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
+TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3)
+
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,29 +23,52 @@ pytestmark = [
 
 
 @contextmanager
-def database_unreachable() -> Iterator[None]:
-    """Point the default connection at a local port where nothing listens, then restore it.
+def database_at(port: int) -> Iterator[None]:
+    """Point every new connection of the default database at a local port, then restore.
 
-    The address is changed where the engine computes it (``get_connection_params``), so the
-    outage is the same for the plain PostgreSQL engine and the embedded one (which picks its
-    own host and port). Every connection attempt meanwhile is really refused by the OS.
+    The address is changed where the engine computes it (``get_connection_params``, on the
+    engine's class, so that the health check's own thread sees it too), so the change is
+    the same for the plain PostgreSQL engine and the embedded one (which picks its own host
+    and port).
     """
     default = connections["default"]
+    engine = type(default)
+    own = engine.__dict__.get("get_connection_params")
+    real = engine.get_connection_params
+
+    def elsewhere(self: Any) -> dict[str, Any]:
+        return {**real(self), "host": "127.0.0.1", "port": port}
+
+    default.close()
+    engine.get_connection_params = elsewhere  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del engine.get_connection_params
+        else:
+            engine.get_connection_params = own  # type: ignore[method-assign]
+        default.close()
+
+
+@contextmanager
+def database_unreachable() -> Iterator[None]:
+    """Every connection attempt meanwhile is really refused by the OS."""
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))  # bound but never listening: connections are refused
-        port = unused.getsockname()[1]
-        real = default.get_connection_params
-
-        def unreachable() -> dict[str, Any]:
-            return {**real(), "host": "127.0.0.1", "port": port}
-
-        default.close()
-        default.get_connection_params = unreachable  # type: ignore[method-assign]
-        try:
+        with database_at(unused.getsockname()[1]):
             yield
-        finally:
-            del default.get_connection_params
-            default.close()
+
+
+@contextmanager
+def database_hanging() -> Iterator[None]:
+    """A database that hangs, as a stopped (SIGSTOP) PostgreSQL does: the operating system
+    accepts the connection, and nothing ever answers on it."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # never accepted: the kernel completes the handshakes itself
+        with database_at(silent.getsockname()[1]):
+            yield
 
 
 def assert_health(response: Any, status: int, value: str) -> None:
@@ -77,6 +102,28 @@ def test_healthz_answers_503_while_the_database_is_unreachable() -> None:
         response = Client().get("/healthz")
 
     assert_health(response, 503, "unavailable")
+
+
+def test_healthz_answers_503_in_time_while_the_database_hangs(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.TASKBOARD_HEALTH_TIMEOUT = 1
+    # The connection attempt alone would wait 30 s: only the check's own bound ends it.
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "30")
+    monkeypatch.setitem(connections["default"].settings_dict["OPTIONS"], "connect_timeout", 30)
+    client = Client()
+    with database_hanging():
+        started = time.monotonic()
+        first = client.get("/healthz")
+        second = client.get("/healthz")
+        took = time.monotonic() - started
+        # The second request waited on the same check, which still hangs: one thread.
+        checkers = [t for t in threading.enumerate() if t.name.startswith("healthz")]
+
+    assert_health(first, 503, "unavailable")
+    assert_health(second, 503, "unavailable")
+    assert took < 2 * 1 + 1.5, took
+    assert len(checkers) == 1
 
 
 @pytest.mark.parametrize(
@@ -122,9 +169,11 @@ def test_the_app_recovers_by_itself_when_the_database_comes_back(agent_api: APIC
     assert agent_api.get("/api/v1/tasks/").json()["results"][0]["title"] == "after the outage"
 
 
-def test_healthz_replaces_a_connection_the_server_dropped(
+def test_healthz_answers_ok_when_the_server_dropped_a_kept_connection(
     open_raw_connection: Callable[..., Any],
 ) -> None:
+    """The check makes a connection of its own: a kept one that PostgreSQL ended (a
+    restart, an admin) does not fail it."""
     client = Client()
     assert_health(client.get("/healthz"), 200, "ok")
     default = connections["default"]
@@ -135,13 +184,8 @@ def test_healthz_replaces_a_connection_the_server_dropped(
     with open_raw_connection(autocommit=True) as admin:
         assert admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0] is True
 
-    first = client.get("/healthz")
-    second = client.get("/healthz")
-
-    # The test client keeps one connection across requests, so the first check may meet
-    # the dead session (503); it must drop it, so that the next one connects afresh.
-    assert (first.status_code, json.loads(first.content)) in [
-        (200, {"status": "ok"}),
-        (503, {"status": "unavailable"}),
-    ]
-    assert_health(second, 200, "ok")
+    try:
+        assert_health(client.get("/healthz"), 200, "ok")
+        assert_health(client.get("/healthz"), 200, "ok")
+    finally:
+        default.close()
