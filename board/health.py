@@ -9,15 +9,20 @@ a connection that is open: before, the check waited on the request thread's kept
 connection for as long as the database hung, and a load balancer's probe timed out where
 it should have read 503.
 
-One check runs at a time. Requests that come while it runs wait for its answer instead of
-starting their own, so a database that hangs holds one thread here, not one per probe.
+Requests that come while a check is under way wait for its answer instead of starting
+their own, for as long as it is younger than the timeout. A check that has hung longer is
+left to itself (a daemon thread, which does not hold up the process's exit) and the next
+request starts another, so that the first probe after the database is back answers 200;
+at most ``MAX_HUNG_CHECKS`` hang at once, beyond which a request answers 503 at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import DatabaseError, connections
@@ -27,28 +32,46 @@ from django.views.decorators.http import require_GET
 
 logger = logging.getLogger(__name__)
 
-_checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="healthz")
+MAX_HUNG_CHECKS = 4
+
+
+@dataclass
+class Check:
+    started: float = field(default_factory=time.monotonic)
+    answer: Future[None] = field(default_factory=Future)
+
+    def run(self) -> None:
+        """Connect, ``SELECT 1``, and close (on this check's thread: its own connection)."""
+        try:
+            with connections["default"].cursor() as cursor:
+                cursor.execute("SELECT 1")
+                cursor.fetchone()
+        except BaseException as exc:
+            self.answer.set_exception(exc)
+        else:
+            self.answer.set_result(None)
+        finally:
+            connections.close_all()
+
+
 _lock = threading.Lock()
-_running: Future[None] | None = None
+_checks: list[Check] = []  # under way, oldest first
 
 
-def _select_one() -> None:
-    """Connect, ``SELECT 1``, and close (on the checker's thread: its own connection)."""
-    try:
-        with connections["default"].cursor() as cursor:
-            cursor.execute("SELECT 1")
-            cursor.fetchone()
-    finally:
-        connections.close_all()
-
-
-def _check() -> Future[None]:
-    """The check under way, or a new one when none is."""
-    global _running
+def current_check(timeout: float) -> Check | None:
+    """The check under way that is younger than ``timeout``, or a new one; None when
+    ``MAX_HUNG_CHECKS`` older ones still hang."""
     with _lock:
-        if _running is None or _running.done():
-            _running = _checker.submit(_select_one)
-        return _running
+        _checks[:] = [check for check in _checks if not check.answer.done()]
+        now = time.monotonic()
+        if _checks and now - _checks[-1].started < timeout:
+            return _checks[-1]
+        if len(_checks) >= MAX_HUNG_CHECKS:
+            return None
+        check = Check()
+        _checks.append(check)
+    threading.Thread(target=check.run, name="healthz", daemon=True).start()
+    return check
 
 
 @never_cache
@@ -56,8 +79,11 @@ def _check() -> Future[None]:
 def healthz(request: HttpRequest) -> JsonResponse:
     """Return 200 ``{"status": "ok"}`` when the database answers in time, else 503."""
     timeout = settings.TASKBOARD_HEALTH_TIMEOUT
+    check = current_check(timeout)
     try:
-        _check().result(timeout=timeout)
+        if check is None:
+            raise TimeoutError
+        check.answer.result(timeout=max(0.0, check.started + timeout - time.monotonic()))
     except TimeoutError:
         logger.warning("health check: the database did not answer within %s s", timeout)
     except DatabaseError as exc:

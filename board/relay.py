@@ -170,6 +170,7 @@ class Subscriber:
         """Return the events offered since the last call, waiting up to ``timeout`` seconds
         for one if there are none yet (and the subscriber is not lagging); [] if none came."""
         if not self.pending and not self.lagging:
+            assert self._waiter is None, "a subscriber has one consumer"
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
             timer = loop.call_later(timeout, _release, waiter)

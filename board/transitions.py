@@ -43,6 +43,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
+from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
 from django.db import DatabaseError, OperationalError, connection, transaction
@@ -96,10 +97,43 @@ def _rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _query(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    sql = _STATEMENTS.get(name) or QUERIES[name]
     with translated_database_errors(), connection.cursor() as cursor:
-        cursor.execute(QUERIES[name], params)
+        if settings.DATABASE_PREPARED_STATEMENTS:
+            # Prepared on the session (a server-binding cursor on Django's connection):
+            # PostgreSQL then plans each statement once for the session instead of at
+            # every call, where planning the claim took longer than running it.
+            session = cursor.cursor.connection
+            with connection.wrap_database_errors, psycopg.Cursor(session) as prepared:
+                try:
+                    prepared.execute(sql, params, prepare=True)
+                except psycopg.errors.FeatureNotSupported as exc:
+                    # "cached plan must not change result type": a migration changed a
+                    # table under a statement this session prepared. Drop the session's
+                    # statements (psycopg notices DEALLOCATE ALL and forgets its own) and
+                    # try once more, preparing afresh; not within a transaction, which the
+                    # error has already lost.
+                    if "cached plan" not in str(exc) or connection.in_atomic_block:
+                        raise
+                    prepared.execute("DEALLOCATE ALL")
+                    prepared.execute(sql, params, prepare=True)
+                columns = [col.name for col in prepared.description or []]
+                return [dict(zip(columns, row, strict=True)) for row in prepared.fetchall()]
+        cursor.execute(sql, params)
         columns = [col.name for col in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+# The claim's queue condition, spelled out in two statements instead of bound as a flag:
+# PostgreSQL keeps one plan per prepared statement, and a plan made for "every queue" is
+# not the one for "these queues" (and with client-side binding, the literal flag let the
+# planner drop the condition, which a bound one would not).
+_QUEUE_CONDITION = "(%(all_queues)s OR queue = ANY(%(queues)s))"
+_STATEMENTS = {
+    "claim_any_queue": QUERIES["claim"].replace(_QUEUE_CONDITION, "true"),
+    "claim_in_queues": QUERIES["claim"].replace(_QUEUE_CONDITION, "queue = ANY(%(queues)s)"),
+}
+assert QUERIES["claim"].count(_QUEUE_CONDITION) == 2, "the claim's queue condition changed"
 
 
 def _task(row: dict[str, Any]) -> Task:
@@ -278,9 +312,9 @@ def claim(
     """
     if limit < 1:
         return []
+    statement = "claim_in_queues" if queues else "claim_any_queue"
     params = {
         "actor": _username(actor),
-        "all_queues": not queues,
         "queues": list(queues or []),
         "lease_seconds": lease_seconds or conf.lease_seconds(),
     }
@@ -289,7 +323,7 @@ def claim(
         # Each round is one statement, hence one transaction of its own: the usual claim is
         # a single round trip. Only a round that escalated a candidate is followed by another.
         while len(claims) < limit:
-            rows = _rows("claim", {**params, "limit": limit - len(claims)})
+            rows = _rows(statement, {**params, "limit": limit - len(claims)})
             claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
             # An escalation may have cost this round a candidate: look again, since every
             # round that escalates removes a task from the claimable set for good.

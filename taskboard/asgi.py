@@ -2,7 +2,8 @@
 
 Django serves the pages and the API as a WSGI application on a fixed pool of worker
 threads (a2wsgi), so that each thread keeps its database connection across requests
-(CONN_MAX_AGE) and a process never holds more connections than it has threads. Django's
+(CONN_MAX_AGE) and a process never holds more connections than it has threads (and,
+for a moment, the one that each GET /healthz check makes: board.health). Django's
 own ASGI handler would run every request on a new thread, with a new connection. In front:
 
 - ``/api/v1/stream/`` goes to board.stream, a plain ASGI endpoint, so that an open stream
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -46,7 +46,7 @@ from board import deliveries, grip, mcp_http, stream, waiting  # noqa: E402  (ne
 from board.asgi_tools import closing  # noqa: E402
 from board.middleware import RequestBodyLimit  # noqa: E402
 from board.relay import stop_relays  # noqa: E402
-from taskboard.server import on_exit_signal  # noqa: E402
+from taskboard.server import on_exit_signal, tune_garbage_collector  # noqa: E402
 
 http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  # type: ignore[arg-type]
 
@@ -81,16 +81,7 @@ async def lifespan(receive: Any, send: Any) -> None:
             await deliveries.start_dispatcher()
             # Behind Pushpin, the events are published to it from one process (board.grip).
             grip.start_publisher()
-            # Everything loaded so far (Django, the apps, the URL conf: most of the
-            # process's objects) lives as long as the process: frozen, the garbage
-            # collector's full collections skip it. And a larger first generation: with a
-            # thousand streams, each collection promoted every stream's in-flight waiter,
-            # which set off a full collection every second or two. In the fan-out
-            # benchmark's server processes each full collection paused every stream for 140
-            # to 360 ms; with both changes none ran during the scenario, and its p99 fell
-            # from 340 to 91 ms (board.stream's waiters without wait_for: 454 to 340 ms).
-            gc.freeze()
-            gc.set_threshold(20_000, 20, 10)
+            tune_garbage_collector()  # (taskboard.server)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             closing().set()

@@ -189,6 +189,13 @@ else:
 # mode (PgBouncer), which cannot carry a LISTEN. Then no server-side cursor is used either:
 # it would outlive the transaction that its pooled connection was lent for.
 DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
+
+# board.transitions prepares its statements on each session (planned once, not at every
+# call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
+# which cannot keep a prepared statement unless it tracks them (PgBouncer 1.21 and later,
+# with max_prepared_statements).
+DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATABASE_LISTEN_URL)
+
 # Pushpin's publish endpoint and request signature (board.grip; django-grip's format):
 # streams are then held in Pushpin. `serve --pushpin` sets it for its processes.
 GRIP_URL = os.environ.get("GRIP_URL", "")
@@ -201,6 +208,11 @@ DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
     "connect_timeout", env_int("DATABASE_CONNECT_TIMEOUT", 5)
 )
+if DATABASE_PREPARED_STATEMENTS:
+    # Django's default (None) turns psycopg's prepared statements off on the connection,
+    # even for a statement executed with prepare=True. Django's own cursors bind on the
+    # client side and never prepare, so this reaches board.transitions' statements only.
+    DATABASES["default"]["OPTIONS"].setdefault("prepare_threshold", 5)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

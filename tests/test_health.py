@@ -15,6 +15,8 @@ from django.db import connections
 from django.test import Client
 from rest_framework.test import APIClient
 
+from board import health
+
 # Outages close the default connection, which a test inside a transaction cannot survive.
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -109,21 +111,42 @@ def test_healthz_answers_503_in_time_while_the_database_hangs(
 ) -> None:
     settings.TASKBOARD_HEALTH_TIMEOUT = 1
     # The connection attempt alone would wait 30 s: only the check's own bound ends it.
-    monkeypatch.setenv("PGCONNECT_TIMEOUT", "30")
     monkeypatch.setitem(connections["default"].settings_dict["OPTIONS"], "connect_timeout", 30)
-    client = Client()
+    answers: list[Any] = []
+
+    def probe() -> None:
+        answers.append(Client().get("/healthz"))
+
     with database_hanging():
         started = time.monotonic()
-        first = client.get("/healthz")
-        second = client.get("/healthz")
+        together = [threading.Thread(target=probe) for _ in range(3)]
+        for thread in together:
+            thread.start()
+        for thread in together:
+            thread.join()
         took = time.monotonic() - started
-        # The second request waited on the same check, which still hangs: one thread.
-        checkers = [t for t in threading.enumerate() if t.name.startswith("healthz")]
+        # The three requests waited on one check, which still hangs.
+        shared = len(health._checks)
+        # Later requests each start another, up to MAX_HUNG_CHECKS; then refuse at once.
+        for _ in range(health.MAX_HUNG_CHECKS - 1):
+            probe()
+        full = time.monotonic()
+        probe()
+        refused_in = time.monotonic() - full
+        hung = len(health._checks)
 
-    assert_health(first, 503, "unavailable")
-    assert_health(second, 503, "unavailable")
-    assert took < 2 * 1 + 1.5, took
-    assert len(checkers) == 1
+    assert [a.status_code for a in answers] == [503] * (3 + health.MAX_HUNG_CHECKS)
+    assert_health(answers[-1], 503, "unavailable")
+    assert took < 1 + 1.5, took
+    assert shared == 1
+    assert hung == health.MAX_HUNG_CHECKS
+    assert refused_in < 0.5, refused_in
+    # The database back, the hung checks fail and a new one answers.
+    deadline = time.monotonic() + 10
+    while (status := Client().get("/healthz").status_code) != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status == 200
+    assert not [check for check in health._checks if not check.answer.done()]
 
 
 @pytest.mark.parametrize(

@@ -882,3 +882,62 @@ def test_the_staff_transitions_report_a_missing_task(staff: Any, action: str) ->
 
     assert missing.value.task_id == MISSING_TASK_ID
     assert not TaskEvent.objects.exists()
+
+
+def _prepared_statements() -> list[tuple[str, int, int]]:
+    """The statements prepared on Django's session: (text, generic plans, custom plans)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+        return list(cursor.fetchall())
+
+
+def _claim_and_complete(agent: Any, **claim: Any) -> None:
+    [claimed] = transitions.claim(actor=agent, **claim)
+    transitions.complete(task_id=claimed.task.id, actor=agent, lease_token=claimed.lease_token)
+
+
+def test_transitions_are_prepared_once_per_session_and_planned_once(agent: Any) -> None:
+    for n in range(8):
+        transitions.create(actor=agent, title=f"any {n}")
+        transitions.create(actor=agent, title=f"images {n}", queue="images")
+    for _ in range(7):
+        _claim_and_complete(agent)
+        _claim_and_complete(agent, queues=["images"])
+
+    prepared = _prepared_statements()
+    claims = [row for row in prepared if "FOR UPDATE SKIP LOCKED" in row[0]]
+    completes = [row for row in prepared if "'completed'" in row[0]]
+    # One statement for a claim of any queue and one for named queues, each planned for
+    # itself: after PostgreSQL's first five custom plans, the one generic plan is reused.
+    assert len(claims) == 2, prepared
+    assert sum("queue = ANY" in text for text, _, _ in claims) == 1
+    assert all(generic >= 1 for _, generic, _ in claims + completes), prepared
+    assert len(completes) == 1
+
+
+def test_without_prepared_statements_nothing_is_prepared(agent: Any, settings: Any) -> None:
+    settings.DATABASE_PREPARED_STATEMENTS = False
+    transitions.create(actor=agent, title="one")
+    _claim_and_complete(agent)
+
+    assert _prepared_statements() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_column_added_under_a_prepared_claim_does_not_fail_the_next_claim(
+    agent: Any, open_raw_connection: Callable[..., Any]
+) -> None:
+    """A migration that adds a column to tasks while a server's sessions live: the claim
+    they prepared returns ``tasks.*``, whose shape changed; PostgreSQL refuses to run it
+    ("cached plan must not change result type"), and the claim prepares it again."""
+    for n in range(3):
+        transitions.create(actor=agent, title=f"task {n}")
+    _claim_and_complete(agent)
+    _claim_and_complete(agent)
+    admin = open_raw_connection(autocommit=True)
+    admin.execute("ALTER TABLE tasks ADD COLUMN added_by_a_migration integer")
+    try:
+        _claim_and_complete(agent)
+    finally:
+        admin.execute("ALTER TABLE tasks DROP COLUMN added_by_a_migration")
+    assert Task.objects.filter(status=TaskStatus.DONE).count() == 3
