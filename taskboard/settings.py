@@ -192,8 +192,7 @@ DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
 
 # board.transitions prepares its statements on each session (planned once, not at every
 # call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
-# which cannot keep a prepared statement unless it tracks them (PgBouncer 1.21 and later,
-# with max_prepared_statements).
+# which lends each transaction another server connection (see the README).
 DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATABASE_LISTEN_URL)
 
 # Pushpin's publish endpoint and request signature (board.grip; django-grip's format):

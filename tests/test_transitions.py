@@ -915,6 +915,32 @@ def test_transitions_are_prepared_once_per_session_and_planned_once(agent: Any) 
     assert len(completes) == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_over_a_large_backlog_runs_on_a_generic_plan(agent: Any) -> None:
+    """With 20,000 pending tasks (analysed), a claim of one task is still planned once: a
+    bound LIMIT would be costed as a tenth of the rows and keep PostgreSQL planning it anew."""
+    seed = transitions.create(actor=agent, title="seed", queue="images")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT string_agg(quote_ident(column_name), ', ') FROM information_schema.columns"
+            " WHERE table_name = 'tasks' AND column_name <> 'id'"
+        )
+        columns = cursor.fetchone()[0]
+        cursor.execute(
+            f"INSERT INTO tasks ({columns}) SELECT {columns} FROM tasks, generate_series(1, 20000)"
+            " WHERE id = %s",
+            [seed.id],
+        )
+        cursor.execute("ANALYZE tasks")
+    for _ in range(7):
+        _claim_and_complete(agent)
+        _claim_and_complete(agent, queues=["images"])
+
+    claims = [row for row in _prepared_statements() if "FOR UPDATE SKIP LOCKED" in row[0]]
+    assert len(claims) == 2
+    assert all(generic >= 1 for _, generic, _ in claims), claims
+
+
 def test_without_prepared_statements_nothing_is_prepared(agent: Any, settings: Any) -> None:
     settings.DATABASE_PREPARED_STATEMENTS = False
     transitions.create(actor=agent, title="one")

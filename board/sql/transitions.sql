@@ -83,8 +83,10 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- Each expired lease counts a strike: a task at max_failures is escalated and not handed
 -- out; the others compete with the pending tasks in claim order. Expired tasks that lose
 -- that competition go back to pending, their expiry recorded.
--- %(all_queues)s is a literal true or false (client-side binding), so the planner drops
--- the queue condition entirely when it is true.
+-- board.transitions runs this as two statements, with the queue condition replaced by
+-- "true" (any queue) or by "queue = ANY(%(queues)s)" (named queues), each prepared with a
+-- plan of its own; %(all_queues)s is the condition's flag for whoever runs this text as is
+-- (the benchmark's raw SQL side).
 -- Blocked tasks (open_dependencies > 0) are not in the pending indexes at all; tasks of a
 -- paused queue are filtered out row by row, as the index scan in claim order meets them
 -- (NOT EXISTS: the planner estimated a filter on an array of paused queue names at one
