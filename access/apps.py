@@ -27,5 +27,11 @@ def announce_logout(sender: Any, request: Any, user: Any, **kwargs: Any) -> None
     session opened end now rather than at their next re-check."""
     if user is None or user.pk is None:
         return
+    # Django sends this signal before it ends the session: end it first, or a stream's
+    # re-check, woken by the notification, may still find the session and keep the stream.
+    # (Django's own flush after the signal then finds nothing left to end.)
+    session = getattr(request, "session", None)
+    if session is not None:
+        session.flush()
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_notify('credentials_changed', %s)", [str(user.pk)])

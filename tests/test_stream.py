@@ -672,6 +672,28 @@ def test_a_logout_ends_the_session_s_stream_at_once(direct_server: LiveServer) -
         assert again.status == 401
 
 
+def test_a_logout_ends_the_session_before_it_is_announced() -> None:
+    """The announcement wakes the re-check of the session's streams: by then the session
+    must be gone, or the re-check finds it and keeps the stream (Django sends
+    user_logged_out before it flushes the session)."""
+    from django.contrib.auth.signals import user_logged_out
+    from django.contrib.sessions.models import Session
+
+    browser, _ = logged_in("leaving-first")
+    key = browser.cookies["sessionid"].value
+    seen: list[bool] = []
+
+    def after_the_announcement(**kwargs: Any) -> None:  # connected after access's receiver
+        seen.append(Session.objects.filter(session_key=key).exists())
+
+    user_logged_out.connect(after_the_announcement, dispatch_uid="test.after")
+    try:
+        browser.logout()
+    finally:
+        user_logged_out.disconnect(dispatch_uid="test.after")
+    assert seen == [False]
+
+
 def task_as_the_api_shows_it(task_id: int, headers: dict[str, str], server: LiveServer) -> Any:
     task = httpx.get(f"{server.url}/api/v1/tasks/{task_id}/", headers=headers).json()
     task.pop("events", None)
