@@ -217,7 +217,9 @@ class BoardCollector(Collector):
         lag = GaugeMetricFamily(
             "taskboard_relay_lag_seconds",
             "Age of the oldest committed event that this process's relay has not passed on "
-            "to streams and waiting claims yet (0 when it is up to date).",
+            "to streams and waiting claims yet (0 when it is up to date). A relay with no "
+            "stream or waiting claim in its process reads once a second: up to a second "
+            "there is normal.",
         )
         for relay in snap.relays[:1]:
             connected.add_metric([], 1.0 if relay.connected else 0.0)

@@ -3,7 +3,9 @@
 Every committed transition NOTIFYs ``task_events`` with the new event's id (migration
 0002). The relay holds one direct psycopg connection (not Django's) that LISTENs, and on
 each notification reads the new rows from ``task_events`` and hands them to its
-subscribers: the SSE streams of this process, and the claims waiting for work.
+subscribers: the SSE streams of this process, and the claims waiting for work. While
+nobody in the process listens, it reads at most once a second instead (``wanted()``), and
+a stream that opens has it read what it left first (``current()``).
 
 NOTIFY is only a wake-up call; the table is the source of truth, read in commit-safe order
 (see ``board/sql/stream.sql``): the relay follows a (txid, id) cursor and reads only the
@@ -71,7 +73,7 @@ START = Cursor(0, 0)
 END = Cursor(2**64 - 1, 2**63 - 1)  # past any event: xid8 and bigint maxima
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StreamEvent:
     cursor: Cursor
     task_id: int
@@ -81,13 +83,45 @@ class StreamEvent:
     # The task's run_after and leased_until when the relay read the event.
     run_after: datetime | None
     leased_until: datetime | None
-    sse: bytes = field(repr=False)  # the event as SSE, encoded once for every stream
+    # The relay's row of the event until a stream or the publisher first asks for the SSE
+    # (see :attr:`sse`), then the SSE itself.
+    source: dict[str, Any] | bytes = field(repr=False)
+
+    @property
+    def sse(self) -> bytes:
+        """The event as SSE, encoded on first use and then kept, for every stream.
+
+        Encoded lazily: every server process's relay reads every event, but only those
+        with a stream open (or publishing to Pushpin) write any. Rendering each event with
+        the API's serializers was about a tenth of a server process's CPU under API load
+        with no stream open (a py-spy profile with --gil, 2026-12-03).
+        """
+        source = self.source
+        if not isinstance(source, bytes):
+            source = _encode(source)
+            object.__setattr__(self, "source", source)
+        return source
 
 
 def _stream_event(row: dict[str, Any]) -> StreamEvent:
-    """Build one event of the stream from a ``stream_after`` row: the Event, and in its
-    ``task`` the task as it is after the event (None when a later event of the task has
-    committed, which carries it instead)."""
+    """Build one event of the stream from a ``stream_after`` row (encoded when first
+    written: see :attr:`StreamEvent.sse`)."""
+    return StreamEvent(
+        cursor=Cursor(int(row["txid"]), row["event_id"]),
+        task_id=row["id"],
+        type=row["event_type"],
+        status=row["event_status"],
+        queue=row["queue"],
+        run_after=row["run_after"],
+        leased_until=row["leased_until"],
+        source=row,
+    )
+
+
+def _encode(row: dict[str, Any]) -> bytes:
+    """The SSE of a ``stream_after`` row: the Event, and in its ``task`` the task as it is
+    after the event (None when a later event of the task has committed, which carries it
+    instead)."""
     from board.api.serializers import EventSerializer, TaskSerializer, render
     from board.models import Task, TaskEvent
 
@@ -108,16 +142,7 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         task = Task.from_db(None, attnames, [row[column] for column in columns])
         data["task"] = render(TaskSerializer, task)
     text = json.dumps(data, separators=(",", ":"))
-    return StreamEvent(
-        cursor=Cursor(int(row["txid"]), row["event_id"]),
-        task_id=row["id"],
-        type=row["event_type"],
-        status=row["event_status"],
-        queue=row["queue"],
-        run_after=row["run_after"],
-        leased_until=row["leased_until"],
-        sse=sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["event_id"])).encode(),
-    )
+    return sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["event_id"])).encode()
 
 
 @functools.cache
@@ -215,6 +240,8 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
 class Relay:
     MIN_BACKOFF = 0.1  # seconds before the first reconnect after a loss, doubling to
     MAX_BACKOFF = 5.0
+    # How often a relay that nobody listens to reads the events it was notified of.
+    IDLE_READ_SECONDS = 1.0
 
     def __init__(
         self,
@@ -235,6 +262,13 @@ class Relay:
         self.connected = asyncio.Event()
         self.subscribers: set[Subscriber] = set()
         self.listeners: set[Callable[[list[StreamEvent]], None]] = set()
+        # Whether a listener needs each event as it commits (see wanted()): the waiting
+        # claims, while any wait.
+        self.demands: set[Callable[[], bool]] = set()
+        # Notifications of events left unread (nobody wanted them yet); the next read, at
+        # the latest IDLE_READ_SECONDS later or when a stream opens (current()), gets them.
+        self.unread = False
+        self._reading = asyncio.Lock()
         # Called with a queue's name when it was paused or resumed.
         self.queue_listeners: set[Callable[[str], None]] = set()
         # Called on each notification of new deliveries, and after each (re)connect, since
@@ -324,6 +358,7 @@ class Relay:
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
             held_back = await self._catch_up(conn)
+            self.unread = False
             await self._lead(conn)
             self._listening_since = time.monotonic()
             self.connected.set()
@@ -331,6 +366,7 @@ class Relay:
             if self.reconnects:
                 self._credentials_changed("")
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
+            idle_until = time.monotonic() + self.IDLE_READ_SECONDS
             while True:
                 # Woken by a notification; while events wait behind an older transaction
                 # that may commit without notifying, look again shortly; otherwise check
@@ -338,18 +374,32 @@ class Relay:
                 timeout = 0.05 if held_back else 30.0
                 if self.leader_key is not None and not self.leading:
                     timeout = min(timeout, 1.0)  # try for the lock again soon
+                if self.unread:
+                    timeout = min(timeout, max(idle_until - time.monotonic(), 0.0))
+                notified = False
                 async for notify in conn.notifies(timeout=timeout, stop_after=1):
-                    if notify.channel == QUEUE_CHANNEL:
+                    if notify.channel == CHANNEL:
+                        notified = True
+                    elif notify.channel == QUEUE_CHANNEL:
                         self._queue_changed(notify.payload)
                     elif notify.channel == DELIVERY_CHANNEL:
                         self._deliveries_made()
                     elif notify.channel == CREDENTIALS_CHANNEL:
                         self._credentials_changed(notify.payload)
+                if not self.wanted() and time.monotonic() < idle_until:
+                    # Nobody in this process needs these events yet: leave them for the
+                    # next read (see IDLE_READ_SECONDS and current()).
+                    self.unread = self.unread or notified
+                    held_back = False
+                    continue
                 if window := self.coalesce_window():
                     # Many streams: let the commits of the next few milliseconds join this
                     # read, so that each stream is written to once for all of them.
                     await asyncio.sleep(window)
-                held_back = await self._catch_up(conn)
+                async with self._reading:
+                    self.unread = False
+                    held_back = await self._catch_up(conn)
+                idle_until = time.monotonic() + self.IDLE_READ_SECONDS
                 await self._lead(conn)
 
     async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -382,7 +432,8 @@ class Relay:
         """Read and deliver everything after the head; return whether events are held back."""
         assert self.head is not None
         # The horizon is computed in its own statement, before the read: see stream.sql.
-        cur = await conn.execute(QUERIES["stream_horizon"])
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(QUERIES["stream_horizon"])
         horizon = await cur.fetchone()
         assert horizon is not None
         while True:
@@ -393,7 +444,8 @@ class Relay:
                 break
         if not horizon["in_flight"]:
             return False
-        cur = await conn.execute(
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
             QUERIES["stream_held_back"],
             {"txid": str(self.head.txid), "id": self.head.id, "horizon": horizon["horizon"]},
         )
@@ -422,6 +474,38 @@ class Relay:
                 listener()
             except Exception:
                 logger.exception("relay: a delivery listener failed")
+
+    def wanted(self) -> bool:
+        """Whether anyone in this process needs each event as soon as it commits: a stream
+        open here, a claim waiting here, or this relay publishing to Pushpin.
+
+        A relay that nobody listens to reads what it was notified of once a second
+        (IDLE_READ_SECONDS) rather than on each notification. Every server process's relay
+        is notified of every event, and under API load with no stream open, reading each
+        one (three statements: horizon, events, held-back check) was a fifth of a server
+        process's CPU and twice that many statements for PostgreSQL per transition with
+        two processes.
+        """
+        return bool(self.subscribers) or self.leading or any(demand() for demand in self.demands)
+
+    async def current(self) -> Cursor:
+        """Read what the relay left unread, if anything; return its head.
+
+        A stream calls this before it starts: its replay runs up to the head, and what
+        commits after it reaches the stream live, since a relay with a stream open reads
+        on every notification.
+        """
+        if self.unread:
+            async with self._reading:
+                if self.unread:
+                    self.unread = False
+                    pool = await self.open_pool()
+                    async with pool.connection() as conn:
+                        # Events held back behind an older transaction: the relay's own
+                        # loop, waiting at most IDLE_READ_SECONDS while unread, reads them.
+                        self.unread = await self._catch_up(conn)
+        assert self.head is not None
+        return self.head
 
     def coalesce_window(self) -> float:
         """Seconds to wait for more commits before a read: none for a few subscribers, up

@@ -333,6 +333,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     held = scope["method"] == "GET" and grip.proxied(headers)
     try:
         relay = await get_relay()
+        await relay.current()
         event_id = resume_id(scope, headers)
         after = await relay.cursor_of(event_id) if event_id is not None else None
         if event_id is None:
@@ -465,6 +466,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
             await send_response(send, HttpResponse(status=204))
             return
         relay = await get_relay()
+        await relay.current()
         event_id = grip.last_id(headers)
         if event_id is None and RESUME_ID.fullmatch(query.get("after", "")):
             event_id = int(query["after"])

@@ -105,7 +105,12 @@ class WaitingRoom:
         self.waiters: list[Waiter] = []
         self._timers: dict[tuple[int, float], asyncio.TimerHandle] = {}
         relay.listeners.add(self.on_events)
+        relay.demands.add(self.waiting)
         relay.queue_listeners.add(self.wake_all)
+
+    def waiting(self) -> bool:
+        """Whether a claim waits here: the relay then reads each event as it commits."""
+        return bool(self.waiters)
 
     def enter(self, queues: frozenset[str] | None) -> Waiter:
         waiter = Waiter(queues)

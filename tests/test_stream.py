@@ -866,3 +866,82 @@ def test_a_new_stream_answers_503_when_the_database_fails_where_it_starts(
     response = httpx.get(stream_url(server), headers=watcher, timeout=10)
     assert response.status_code == 503
     assert response.json()["error"] == "unavailable"
+
+
+def committed_cursor() -> relay_module.Cursor:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT txid::text, id FROM task_events ORDER BY txid DESC, id DESC LIMIT 1")
+        txid, event_id = cursor.fetchone()
+    return relay_module.Cursor(int(txid), event_id)
+
+
+def test_a_relay_that_nobody_listens_to_leaves_events_unread_until_asked(agent: Any) -> None:
+    """Every server process's relay is notified of every event. One with no stream and no
+    waiting claim reads them now and then (IDLE_READ_SECONDS), not on each notification;
+    a stream that opens reads them first (current()); a waiting claim or an open stream
+    has each event read as it commits."""
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    relay.IDLE_READ_SECONDS = 60.0
+    background.run(relay.start())
+    try:
+        started_at = relay.head
+        for n in range(5):
+            transitions.create(actor=agent, title=f"unread {n}")
+        time.sleep(0.5)
+        assert relay.head == started_at, "read on each notification with nobody listening"
+        assert relay.unread
+
+        # A stream opening here reads them first, and is replayed them.
+        assert background.run(relay.current()) == committed_cursor()
+        assert not relay.unread
+
+        # A waiting claim makes the relay read each event as it commits.
+        waiting = {"claims": True}
+        relay.demands.add(lambda: waiting["claims"])
+        transitions.create(actor=agent, title="read at once")
+        deadline = time.monotonic() + 5
+        while relay.head != committed_cursor() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert relay.head == committed_cursor()
+
+        # And once nobody listens, it leaves them again.
+        waiting["claims"] = False
+        before = relay.head
+        time.sleep(0.1)
+        transitions.create(actor=agent, title="unread again")
+        time.sleep(0.5)
+        assert relay.head == before
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+
+def test_a_stream_opened_on_an_idle_relay_gets_what_it_left_unread_at_once(
+    direct_server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: Any
+) -> None:
+    """A client resuming on a process whose relay left the newest events unread (nobody
+    listened there) gets them at once, not at the relay's next idle read. (Behind Pushpin
+    the publishing relay reads every event; hold() asks current() all the same, for the
+    other processes.)"""
+    server = direct_server
+    monkeypatch.setattr(relay_module.Relay, "IDLE_READ_SECONDS", 60.0)
+    with StreamCollector(stream_url(server), watcher) as stream:
+        task = transitions.create(actor=agent, title="first")
+        last_seen = stream.get()["id"]
+    # The stream closed: once the server notices, nobody listens to its relay.
+    deadline = time.monotonic() + 5
+    while relay_of(server).wanted() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+
+    [claim] = transitions.claim(actor=agent)
+    transitions.complete(task_id=task.id, actor=agent, lease_token=claim.lease_token)
+    time.sleep(0.3)
+    assert relay_of(server).unread
+
+    started = time.monotonic()
+    with StreamCollector(stream_url(server), {**watcher, "Last-Event-ID": last_seen}) as stream:
+        missed = stream.take(2, timeout=5)
+    assert [event["json"]["type"] for event in missed] == ["claimed", "completed"]
+    assert time.monotonic() - started < 3
