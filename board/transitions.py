@@ -144,6 +144,12 @@ assert QUERIES["claim"].count(_QUEUE_CONDITION) == 2, "the claim's queue conditi
 assert QUERIES["claim"].count(_LIMIT) == 3, "the claim's limits changed"
 
 
+def claim_statement(queues: Sequence[str] | None, limit: int) -> str:
+    """The name of the claim statement for these queues (None or empty: any queue) and
+    this many tasks, in ``_STATEMENTS``."""
+    return ("claim_in_queues" if queues else "claim_any_queue") + ("_one" if limit == 1 else "")
+
+
 def _task(row: dict[str, Any]) -> Task:
     """Build a Task from a ``RETURNING *`` row, ignoring any extra columns."""
     return _instance(Task, _FIELDS, row)
@@ -320,7 +326,6 @@ def claim(
     """
     if limit < 1:
         return []
-    statement = "claim_in_queues" if queues else "claim_any_queue"
     params = {
         "actor": _username(actor),
         "queues": list(queues or []),
@@ -332,7 +337,7 @@ def claim(
         # a single round trip. Only a round that escalated a candidate is followed by another.
         while len(claims) < limit:
             wanted = limit - len(claims)
-            rows = _rows(statement + ("_one" if wanted == 1 else ""), {**params, "limit": wanted})
+            rows = _rows(claim_statement(queues, wanted), {**params, "limit": wanted})
             claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
             # An escalation may have cost this round a candidate: look again, since every
             # round that escalates removes a task from the claimable set for good.

@@ -13,7 +13,6 @@ from django.db import IntegrityError, connection, transaction
 from board import transitions
 from board.exceptions import EventLogIsAppendOnly, InvalidTask, translated_database_errors
 from board.models import Task, TaskEvent
-from board.sql import QUERIES
 
 pytestmark = pytest.mark.usefixtures("fast_password_hashing")
 
@@ -327,17 +326,21 @@ def a_busy_board(agent: Any) -> None:
     run_sql("ANALYZE tasks")
 
 
+def claim_sql(queues: list[str] | None, limit: int = 1) -> str:
+    """The claim statement that board.transitions.claim runs for these queues and limit."""
+    return transitions._STATEMENTS[transitions.claim_statement(queues, limit)]
+
+
 def claim_plan(*, queues: list[str] | None) -> str:
     """EXPLAIN the claim statement with the parameters board.transitions.claim passes."""
     params = {
         "actor": "agent-smith",
-        "all_queues": not queues,
         "queues": list(queues or []),
         "lease_seconds": 120,
         "limit": 1,
     }
     with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + QUERIES["claim"], params)
+        cursor.execute("EXPLAIN " + claim_sql(queues), params)
         return "\n".join(row[0] for row in cursor.fetchall())
 
 
@@ -387,13 +390,12 @@ def test_a_claim_reads_a_few_index_entries_however_many_tasks_are_pending(
     run_sql("ANALYZE tasks")
     params = {
         "actor": agent.username,
-        "all_queues": not queues,
         "queues": list(queues or []),
         "lease_seconds": 120,
         "limit": 1,
     }
     with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN (ANALYZE, BUFFERS OFF) " + QUERIES["claim"], params)
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS OFF) " + claim_sql(queues), params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
     pending = [line for line in plan.splitlines() if "tasks_pending" in line and "Scan" in line]
