@@ -15,6 +15,13 @@ with its own lockout rules), and django-ratelimit counts through Django's cache,
 ``incr`` on the database cache is a read followed by a write, which loses counts between
 processes; one upsert does not.
 
+An address with no failure in the current window or the one before reads the same on
+every call until it fails, so each server process remembers such addresses
+(:class:`CleanAddresses`) and skips the read for them: the API's valid calls make one
+statement fewer each. An address's first failure of a window is announced with NOTIFY
+(``auth_failures``), which every process's event relay hears (board.relay), and makes every
+process forget it; a process whose relay is not listening remembers nothing.
+
 The client address is ``REMOTE_ADDR``, as uvicorn sets it (``taskboard serve`` trusts
 ``X-Forwarded-For`` only from 127.0.0.1, a proxy on the same host).
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -56,6 +64,60 @@ def window() -> int:
     return max(1, int(getattr(settings, "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)))
 
 
+class CleanAddresses:
+    """The client addresses that had no failed authentication in the current window or
+    the one before, as read since this process last heard of their failure.
+
+    Trusted only while this process's event relay listens: it hears each address's first
+    failure of a window (``record_failure`` announces it) and forgets the address then, and
+    on each (re)connect forgets all, since announcements may have been missed meanwhile.
+    A read made before an announcement is heard but remembered after would be stale, so an
+    address is only remembered if nothing was forgotten while it was being read (the epoch).
+    """
+
+    MAX_SIZE = 10_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._addresses: set[str] = set()
+        self.epoch = 0
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._addresses and _listening()
+
+    def remember(self, address: str, epoch: int) -> None:
+        with self._lock:
+            if epoch != self.epoch or not _listening():
+                return
+            if len(self._addresses) >= self.MAX_SIZE:
+                self._addresses.clear()
+            self._addresses.add(address)
+
+    def forget(self, address: str | None) -> None:
+        """Forget ``address`` (None: every address)."""
+        with self._lock:
+            self.epoch += 1
+            if address is None:
+                self._addresses.clear()
+            else:
+                self._addresses.discard(address)
+
+
+clean_addresses = CleanAddresses()
+
+
+def _listening() -> bool:
+    """Whether an event relay of this process listens for the failures' announcements."""
+    from board.relay import running_relays
+
+    return any(relay.connected.is_set() for relay in running_relays())
+
+
+def failure_announced(address: str | None) -> None:
+    """Event relay listener: ``address`` failed to authenticate (None: any may have)."""
+    clean_addresses.forget(address)
+
+
 def retry_after(address: str) -> int | None:
     """Return the seconds until ``address`` may authenticate again, or None if it may now.
 
@@ -67,10 +129,15 @@ def retry_after(address: str) -> int | None:
     allowed = limit()
     if allowed <= 0:
         return None
+    if address in clean_addresses:
+        return None
+    epoch = clean_addresses.epoch
     length = window()
     with connection.cursor() as cursor:
         cursor.execute(QUERIES["failures"], {"address": address, "window": length})
         current, previous, left = cursor.fetchone()
+    if current == previous == 0:
+        clean_addresses.remember(address, epoch)
     if current + previous * left / length < allowed:
         return None
     if current >= allowed:
@@ -103,7 +170,10 @@ def record_failure(address: str) -> None:
     with connection.cursor() as cursor:
         cursor.execute(QUERIES["record_failure"], {"address": address, "window": window()})
         failures, _ = cursor.fetchone()
+        clean_addresses.forget(address)
         if failures == 1:
+            # Its first failure of this window: every process forgets it (CleanAddresses).
+            cursor.execute(QUERIES["announce_failure"], {"address": address})
             cursor.execute(QUERIES["forget_ended_windows"], {"window": window()})
         elif failures == limit():
             logger.warning("throttling authentication from %s: %d failures", address, failures)

@@ -43,3 +43,8 @@ GROUP BY w.window_end;
 -- primary key.
 DELETE FROM auth_failures
 WHERE window_end <= statement_timestamp() - make_interval(secs => %(window)s);
+
+-- name: announce_failure
+-- Tell every server process that %(address)s failed to authenticate (its first failure of
+-- a window), so that none goes on skipping the check for it (access.throttle).
+SELECT pg_notify('auth_failures', %(address)s);

@@ -55,6 +55,9 @@ QUEUE_CHANNEL = "task_queues"
 DELIVERY_CHANNEL = "webhook_deliveries"
 # An account's credentials changed (migration 0014): the user's id, for board.revocation.
 CREDENTIALS_CHANNEL = "credentials_changed"
+# A client address's first failed authentication of a throttle window (access.throttle):
+# the address, for the throttle's memory of addresses with no failures.
+AUTH_FAILURE_CHANNEL = "auth_failures"
 SSE_EVENT_TYPE = "task_event"
 # The advisory lock whose holder publishes the events to Pushpin (board.grip): any fixed
 # bigint, unlikely to be used elsewhere.
@@ -277,6 +280,9 @@ class Relay:
         # Called with a user's id when their token, queue limit, password or status changed;
         # with None after each (re)connect, since one may have changed meanwhile.
         self.credential_listeners: set[Callable[[int | None], None]] = set()
+        # Called with a client address that failed to authenticate; with None on each
+        # (re)connect, since some may have failed while the connection was down.
+        self.auth_failure_listeners: set[Callable[[str | None], None]] = set()
         self.subscriber_queue = subscriber_queue
         self.batch = batch
         self.reconnects = 0
@@ -348,6 +354,7 @@ class Relay:
             await conn.execute(f"LISTEN {QUEUE_CHANNEL}")
             await conn.execute(f"LISTEN {DELIVERY_CHANNEL}")
             await conn.execute(f"LISTEN {CREDENTIALS_CHANNEL}")
+            await conn.execute(f"LISTEN {AUTH_FAILURE_CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
                 cur = await conn.execute(QUERIES["stream_horizon"])
@@ -361,6 +368,7 @@ class Relay:
             self.unread = False
             await self._lead(conn)
             self._listening_since = time.monotonic()
+            self._auth_failed(None)
             self.connected.set()
             self._deliveries_made()
             if self.reconnects:
@@ -386,6 +394,8 @@ class Relay:
                         self._deliveries_made()
                     elif notify.channel == CREDENTIALS_CHANNEL:
                         self._credentials_changed(notify.payload)
+                    elif notify.channel == AUTH_FAILURE_CHANNEL:
+                        self._auth_failed(notify.payload)
                 if not self.wanted() and time.monotonic() < idle_until:
                     # Nobody in this process needs these events yet: leave them for the
                     # next read (see IDLE_READ_SECONDS and current()).
@@ -467,6 +477,13 @@ class Relay:
                 listener(user_id)
             except Exception:
                 logger.exception("relay: a credentials listener failed")
+
+    def _auth_failed(self, address: str | None) -> None:
+        for listener in list(self.auth_failure_listeners):
+            try:
+                listener(address)
+            except Exception:
+                logger.exception("relay: an authentication failure listener failed")
 
     def _deliveries_made(self) -> None:
         for listener in list(self.delivery_listeners):
@@ -638,9 +655,11 @@ async def get_relay() -> Relay:
         relay = _relays.get(loop)
         if relay is None:
             relay = _relays[loop] = Relay(conninfo, leader_key=leader_key)
+            from access import throttle
             from board import revocation  # it reaches the stream, which needs the relay
 
             relay.credential_listeners.add(revocation.credentials_changed)
+            relay.auth_failure_listeners.add(throttle.failure_announced)
     await relay.start()
     await relay.open_pool()
     return relay

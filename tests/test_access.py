@@ -526,7 +526,8 @@ def settle() -> None:
 
 def test_a_wake_up_that_came_before_a_waiter_was_narrowed_is_passed_on() -> None:
     async def scenario() -> tuple[bool, bool, str | None]:
-        room = WaitingRoom(SimpleNamespace(listeners=set(), queue_listeners=set()))  # type: ignore[arg-type]
+        relay = SimpleNamespace(listeners=set(), demands=set(), queue_listeners=set())
+        room = WaitingRoom(relay)  # type: ignore[arg-type]
         limited_waiter, other = room.enter(None), room.enter(None)
         # Woken for "theirs" while its first attempt ran, before Django named its queues.
         room.wake_one("theirs")

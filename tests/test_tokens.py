@@ -556,3 +556,100 @@ def test_failures_through_two_server_processes_add_up(
         response = httpx.get(f"{url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
         assert response.status_code == 429, response.text
         assert 1 <= int(response.headers["Retry-After"]) <= 60
+
+
+class FailureReads:
+    """Counts the throttle's reads of an address's failures (access.throttle)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from access import throttle
+
+        self.count = 0
+        counter = self
+
+        class Counting(dict):  # type: ignore[type-arg]
+            def __getitem__(self, name: str) -> str:
+                if name == "failures":
+                    counter.count += 1
+                return str(super().__getitem__(name))
+
+        monkeypatch.setattr(throttle, "QUERIES", Counting(throttle.QUERIES))
+
+
+def another_process_records_failures(address: str, count: int) -> None:
+    """What record_failure does in another server process: the upserts, and the
+    announcement of the first (this process's memory is not touched)."""
+    from access import throttle
+
+    with connection.cursor() as cursor:
+        for _ in range(count):
+            cursor.execute(
+                throttle.QUERIES["record_failure"],
+                {"address": address, "window": throttle.window()},
+            )
+            if cursor.fetchone()[0] == 1:
+                cursor.execute(throttle.QUERIES["announce_failure"], {"address": address})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_address_without_failures_is_read_once_not_on_every_call(
+    server: LiveServer, agent: Any, monkeypatch: Any
+) -> None:
+    reads = FailureReads(monkeypatch)
+    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    with httpx.Client(base_url=server.url, headers=headers) as client:
+        statuses = [client.get("/api/v1/tasks/").status_code for _ in range(20)]
+
+    assert statuses == [200] * 20
+    assert reads.count == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failures_counted_by_another_process_throttle_an_address_read_as_clean(
+    server: LiveServer, agent: Any, settings: Any
+) -> None:
+    """The memory of clean addresses is per process; another process's first failure of
+    a window is announced to every process (NOTIFY auth_failures), which forgets it."""
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
+    fresh_window()
+    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    with httpx.Client(base_url=server.url, headers=headers) as client:
+        assert client.get("/api/v1/tasks/").status_code == 200  # read, and remembered
+
+        another_process_records_failures("127.0.0.1", 3)
+
+        deadline = time.monotonic() + 5
+        while (status := client.get("/api/v1/tasks/").status_code) == 200:
+            assert time.monotonic() < deadline, "still let in after the limit"
+            time.sleep(0.05)
+    assert status == 429
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failures_announced_while_the_relay_was_cut_off_still_throttle(
+    server: LiveServer, agent: Any, settings: Any
+) -> None:
+    """An announcement made while the process's relay is reconnecting is lost: the relay
+    forgets every address when it listens again."""
+    from board import relay as relay_module
+
+    settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
+    fresh_window()
+    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    [relay] = [r for loop, r in relay_module._relays.items() if not loop.is_closed()]
+    with httpx.Client(base_url=server.url, headers=headers) as client:
+        assert client.get("/api/v1/tasks/").status_code == 200  # read, and remembered
+        cut_off = relay.backend_pid
+        relay.MIN_BACKOFF = 1.0  # reconnect after the failures are announced
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
+        deadline = time.monotonic() + 5
+        while relay.connected.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        another_process_records_failures("127.0.0.1", 3)
+        while not (relay.connected.is_set() and relay.backend_pid != cut_off):
+            assert time.monotonic() < deadline + 5, "the relay did not reconnect"
+            time.sleep(0.02)
+
+        assert client.get("/api/v1/tasks/").status_code == 429
