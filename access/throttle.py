@@ -169,11 +169,9 @@ def record_failure(address: str) -> None:
         return
     with connection.cursor() as cursor:
         cursor.execute(QUERIES["record_failure"], {"address": address, "window": window()})
-        failures, _ = cursor.fetchone()
-        clean_addresses.forget(address)
+        failures, _, _ = cursor.fetchone()
+        clean_addresses.forget(address)  # (and every process, on the statement's NOTIFY)
         if failures == 1:
-            # Its first failure of this window: every process forgets it (CleanAddresses).
-            cursor.execute(QUERIES["announce_failure"], {"address": address})
             cursor.execute(QUERIES["forget_ended_windows"], {"window": window()})
         elif failures == limit():
             logger.warning("throttling authentication from %s: %d failures", address, failures)

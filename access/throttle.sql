@@ -17,8 +17,13 @@ WITH failure AS (
     )
     ON CONFLICT (window_end, address) DO UPDATE SET failures = f.failures + 1
     RETURNING failures, window_end
+), announced AS (
+    -- The address's first failure of this window: every server process forgets it
+    -- (access.throttle.CleanAddresses), at the commit of this same statement.
+    SELECT pg_notify('auth_failures', %(address)s) FROM failure WHERE failures = 1
 )
-SELECT failures, ceil(extract(epoch FROM window_end - statement_timestamp()))::int
+SELECT failures, ceil(extract(epoch FROM window_end - statement_timestamp()))::int,
+       (SELECT count(*) FROM announced) AS announced
 FROM failure;
 
 -- name: failures
@@ -44,7 +49,3 @@ GROUP BY w.window_end;
 DELETE FROM auth_failures
 WHERE window_end <= statement_timestamp() - make_interval(secs => %(window)s);
 
--- name: announce_failure
--- Tell every server process that %(address)s failed to authenticate (its first failure of
--- a window), so that none goes on skipping the check for it (access.throttle).
-SELECT pg_notify('auth_failures', %(address)s);

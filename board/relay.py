@@ -272,6 +272,7 @@ class Relay:
         # the latest IDLE_READ_SECONDS later or when a stream opens (current()), gets them.
         self.unread = False
         self._reading = asyncio.Lock()
+        self._reading_unread: asyncio.Future[None] | None = None
         # Called with a queue's name when it was paused or resumed.
         self.queue_listeners: set[Callable[[str], None]] = set()
         # Called on each notification of new deliveries, and after each (re)connect, since
@@ -309,6 +310,8 @@ class Relay:
         await asyncio.wait_for(self.connected.wait(), timeout)
 
     async def stop(self) -> None:
+        if self._reading_unread is not None:
+            self._reading_unread.cancel()
         for subscriber in self.subscribers:
             subscriber.close()
         if self._task is not None:
@@ -321,6 +324,14 @@ class Relay:
             self._pool = None
 
     async def _run(self) -> None:
+        try:
+            await self._run_forever()
+        finally:
+            # Whatever ended the relay, nobody may take it for listening any more (the
+            # failed-authentication throttle trusts its memory only while it does).
+            self.connected.clear()
+
+    async def _run_forever(self) -> None:
         backoff = self.MIN_BACKOFF
         while True:
             try:
@@ -364,8 +375,9 @@ class Relay:
                 row = await cur.fetchone()
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
-            held_back = await self._catch_up(conn)
-            self.unread = False
+            async with self._reading:
+                self.unread = False
+                held_back = await self._catch_up(conn)
             await self._lead(conn)
             self._listening_since = time.monotonic()
             self._auth_failed(None)
@@ -399,7 +411,7 @@ class Relay:
                 if not self.wanted() and time.monotonic() < idle_until:
                     # Nobody in this process needs these events yet: leave them for the
                     # next read (see IDLE_READ_SECONDS and current()).
-                    self.unread = self.unread or notified
+                    self.unread = self.unread or notified or held_back
                     held_back = False
                     continue
                 if window := self.coalesce_window():
@@ -513,16 +525,30 @@ class Relay:
         on every notification.
         """
         if self.unread:
+            # One reader at a time, and only it takes a connection of the (small) pool:
+            # the streams that open meanwhile find the events read when they get the lock.
             async with self._reading:
                 if self.unread:
                     self.unread = False
-                    pool = await self.open_pool()
-                    async with pool.connection() as conn:
-                        # Events held back behind an older transaction: the relay's own
-                        # loop, waiting at most IDLE_READ_SECONDS while unread, reads them.
-                        self.unread = await self._catch_up(conn)
+                    try:
+                        pool = await self.open_pool()
+                        async with pool.connection() as conn:
+                            held_back = await self._catch_up(conn)
+                    except BaseException:
+                        self.unread = True
+                        raise
+                    # Events held back behind an older transaction stay unread: the loop,
+                    # which waits at most IDLE_READ_SECONDS while any are, reads them.
+                    # (A notification heard during this read has set unread meanwhile.)
+                    self.unread = self.unread or held_back
         assert self.head is not None
         return self.head
+
+    async def _read_unread(self) -> None:
+        try:
+            await self.current()
+        except Exception as exc:  # the loop reads them later, or after its reconnect
+            logger.warning("relay: could not read the unread events now: %s", exc)
 
     def coalesce_window(self) -> float:
         """Seconds to wait for more commits before a read: none for a few subscribers, up
@@ -549,7 +575,15 @@ class Relay:
         assert self.head is not None, "start() the relay first"
         subscriber = Subscriber(self.head, self.subscriber_queue)
         self.subscribers.add(subscriber)
+        if self.unread and self._reading_unread is None:
+            # Notified between the stream's current() and now, while nobody listened: read
+            # it now rather than at the next idle read.
+            self._reading_unread = asyncio.ensure_future(self._read_unread())
+            self._reading_unread.add_done_callback(self._read_unread_done)
         return subscriber
+
+    def _read_unread_done(self, task: asyncio.Future[None]) -> None:
+        self._reading_unread = None
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self.subscribers.discard(subscriber)

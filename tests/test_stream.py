@@ -898,7 +898,8 @@ def test_a_relay_that_nobody_listens_to_leaves_events_unread_until_asked(agent: 
 
         # A waiting claim makes the relay read each event as it commits.
         waiting = {"claims": True}
-        relay.demands.add(lambda: waiting["claims"])
+        # (Added on the relay's loop, which iterates the set.)
+        background.loop.call_soon_threadsafe(relay.demands.add, lambda: waiting["claims"])
         transitions.create(actor=agent, title="read at once")
         deadline = time.monotonic() + 5
         while relay.head != committed_cursor() and time.monotonic() < deadline:
@@ -911,7 +912,22 @@ def test_a_relay_that_nobody_listens_to_leaves_events_unread_until_asked(agent: 
         time.sleep(0.1)
         transitions.create(actor=agent, title="unread again")
         time.sleep(0.5)
-        assert relay.head == before
+        assert relay.head == before and relay.unread
+
+        # A stream subscribing after such a notification (after its current(), before it
+        # subscribed) is handed the event at once.
+        async def subscribe_and_wait() -> list[int]:
+            subscriber = relay.subscribe()
+            try:
+                return [event.task_id for event in await subscriber.wait(5) if event]
+            finally:
+                relay.unsubscribe(subscriber)
+
+        started = time.monotonic()
+        task_ids = background.run(subscribe_and_wait())
+        newest = TaskEvent.objects.order_by("-id").first()
+        assert newest is not None and task_ids == [newest.task_id]
+        assert time.monotonic() - started < 3
     finally:
         background.run(relay.stop())
         background.close()
@@ -945,3 +961,34 @@ def test_a_stream_opened_on_an_idle_relay_gets_what_it_left_unread_at_once(
         missed = stream.take(2, timeout=5)
     assert [event["json"]["type"] for event in missed] == ["claimed", "completed"]
     assert time.monotonic() - started < 3
+
+
+def test_events_held_back_when_the_last_listener_left_are_read_for_the_next_stream(
+    agent: Any,
+) -> None:
+    """Events held back behind an older transaction, when the relay's last listener leaves,
+    stay to be read: the next stream's current() reads them once that transaction ends
+    (which notifies nothing), not at the relay's next notification."""
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    relay.IDLE_READ_SECONDS = 60.0
+    background.run(relay.start())
+    older = psycopg.connect(relay_module.django_conninfo())
+    try:
+        waiting = {"claims": True}
+        background.loop.call_soon_threadsafe(relay.demands.add, lambda: waiting["claims"])
+        older.execute("SELECT pg_current_xact_id()")  # an older writer, still running
+        transitions.create(actor=agent, title="held back")
+        time.sleep(0.5)  # read, and held back: the relay looks again every 50 ms
+        held = relay.head
+        assert held < committed_cursor()
+
+        waiting["claims"] = False
+        time.sleep(0.3)  # the relay sees nobody listens any more
+        older.commit()  # no event, no notification
+        time.sleep(0.2)
+        assert background.run(relay.current()) == committed_cursor()
+    finally:
+        older.close()
+        background.run(relay.stop())
+        background.close()

@@ -50,7 +50,9 @@ class SSEProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.connected.done():
-            self.connected.set_exception(RuntimeError(f"stream closed: {exc}"))
+            received = self.buffer[:300].decode("latin-1")  # an answer that was no stream
+            error = RuntimeError(f"stream closed: {exc}; received {received!r}")
+            self.connected.set_exception(error)
 
 
 class WaitProtocol(asyncio.Protocol):
