@@ -199,3 +199,42 @@ def test_a_server_that_fails_to_start_leaves_nothing_behind(
     assert server.data_dir is not None
     assert not server.data_dir.exists()
     assert "pushpin is not installed" in (tmp_path / "server.log").read_text()
+
+
+def test_a_stream_that_fails_to_open_is_opened_again_and_reported() -> None:
+    # A stand-in server: the first connection is closed before any answer (as Pushpin
+    # once closed one of 400 streams it was opening in CI), the others get a stream.
+    import socket
+    import threading
+
+    from taskboard.benchmark.harness import Helper
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        for number in range(4):
+            connection, _ = listener.accept()
+            connection.recv(65536)
+            if number == 0:
+                connection.close()
+                continue
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n: connected\n\n"
+            )
+            accepted.append(connection)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    helper = Helper("sse", "--url", f"http://127.0.0.1:{port}", "--token", "t", "--count", "3")
+    try:
+        ready = helper.read(30)
+    finally:
+        helper.close()
+        listener.close()
+        for connection in accepted:
+            connection.close()
+    assert ready["ready"] == 3
+    (reason,) = ready["reopened"]
+    assert "stream closed" in reason

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -106,22 +107,43 @@ def _request(url: str, method: str, path: str, token: str, body: bytes = b"") ->
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def _open_all(count: int, url: str, factory: Any, parallel: int = 50) -> list[Any]:
+# A connection that fails to open is opened again, at most this many times. A browser's
+# EventSource reconnects too; what failed is reported (``{"ready": N, "reopened": [...]}``),
+# and a connection that fails every time still fails the helper.
+REOPEN = 2
+
+
+async def _open_all(
+    count: int, url: str, factory: Any, parallel: int = 50
+) -> tuple[list[Any], list[str]]:
+    """Open ``count`` connections; return their protocols and why any had to be reopened."""
     loop = asyncio.get_running_loop()
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     semaphore = asyncio.Semaphore(parallel)
     protocols: list[Any] = []
+    reopened: list[str] = []
 
     async def open_one() -> None:
         async with semaphore:
-            ready: asyncio.Future[None] = loop.create_future()
-            _, protocol = await loop.create_connection(lambda: factory(ready), host, port)
-            protocols.append(protocol)
-            await asyncio.wait_for(ready, 120)
+            for attempt in range(REOPEN + 1):
+                ready: asyncio.Future[None] = loop.create_future()
+                transport, protocol = await loop.create_connection(
+                    functools.partial(factory, ready), host, port
+                )
+                try:
+                    await asyncio.wait_for(ready, 120)
+                except (RuntimeError, TimeoutError) as exc:
+                    transport.close()
+                    if attempt == REOPEN:
+                        raise
+                    reopened.append(f"{time.strftime('%H:%M:%S')} {exc or 'timed out'}"[:400])
+                else:
+                    protocols.append(protocol)
+                    return
 
     await asyncio.gather(*(open_one() for _ in range(count)))
-    return protocols
+    return protocols, reopened
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -181,16 +203,16 @@ def _buckets(latencies: list[float]) -> dict[int, int]:
 
 async def sse(url: str, token: str, count: int) -> None:
     request = _request(url, "GET", "/api/v1/stream/", token)
-    protocols = await _open_all(count, url, lambda ready: SSEProtocol(request, ready))
-    _say({"ready": len(protocols)})
+    protocols, reopened = await _open_all(count, url, lambda ready: SSEProtocol(request, ready))
+    _say({"ready": len(protocols), "reopened": reopened})
     await _latencies(protocols)
 
 
 async def wait(url: str, token: str, count: int, seconds: int) -> None:
     body = json.dumps({"wait": seconds, "lease_seconds": 600}).encode()
     request = _request(url, "POST", "/api/v1/tasks/claim/", token, body)
-    protocols = await _open_all(count, url, lambda sent: WaitProtocol(request, sent))
-    _say({"ready": len(protocols)})
+    protocols, reopened = await _open_all(count, url, lambda sent: WaitProtocol(request, sent))
+    _say({"ready": len(protocols), "reopened": reopened})
     await _latencies(protocols)
 
 

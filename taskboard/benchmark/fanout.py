@@ -77,6 +77,7 @@ def run(ctx: Any, result: ScenarioResult) -> None:
     expected = len(commits) * streams
     add_delivery_figures(result, report, expected)
     sampler.add_figures(result)
+    result.note_reopened([ready])
     result.note(
         f"{streams:,} streams, {len(commits):,} events in {seconds:.0f} s; "
         f"{report['count']:,} deliveries of {expected:,}; p90 {report['p90']:.1f} ms, "

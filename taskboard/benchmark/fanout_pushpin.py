@@ -143,7 +143,8 @@ def run(ctx: Any, result: ScenarioResult) -> None:
                                 "sse", "--url", server.url, "--token", token, "--count", str(share)
                             )
                         )
-                    ready = sum(helper.read(600)["ready"] for helper in helpers)
+                    readies = [helper.read(600) for helper in helpers]
+                    ready = sum(answer["ready"] for answer in readies)
                     opening = time.monotonic() - opened
                     ctx.progress(f"{ready:,} streams open in {opening:.0f} s; letting them settle")
                     # Pushpin recovers each new stream once, about a second after it
@@ -163,6 +164,7 @@ def run(ctx: Any, result: ScenarioResult) -> None:
     expected = len(commits) * streams
     add_delivery_figures(result, report, expected)
     sampler.add_figures(result)
+    result.note_reopened(readies)
     result.note(
         f"{streams:,} streams through Pushpin to {WORKERS} server processes, opened by "
         f"{len(helpers)} helper processes in {opening:.0f} s; {len(commits):,} events in "

@@ -98,6 +98,16 @@ class ScenarioResult:
         self.figures.append(figure)
         return figure
 
+    def note_reopened(self, readies: list[dict[str, Any]]) -> None:
+        """Note the connections that the helpers had to open again (their ``ready``
+        answers), with the first few reasons, if there were any."""
+        reopened = [reason for ready in readies for reason in ready.get("reopened", [])]
+        if reopened:
+            self.note(
+                f"{len(reopened)} connections failed to open and were opened again, "
+                f"first: {'; '.join(reopened[:3])}"
+            )
+
     def note(self, text: str) -> None:
         self.notes.append(text)
 

@@ -29,7 +29,7 @@ def run(ctx: Any, result: ScenarioResult) -> None:
             ctx.progress(f"sending {waiters:,} waiting claims")
             helper = Helper("wait", "--url", server.url, "--token", token, "--count", str(waiters))
             try:
-                helper.read(120)
+                ready = helper.read(120)
                 server.settle()
                 ctx.progress(f"{waiters:,} claims waiting; creating {tasks} tasks one by one")
                 with Sampler(server) as sampler:
@@ -41,6 +41,7 @@ def run(ctx: Any, result: ScenarioResult) -> None:
     result.add("wake-up latency p99", report["p99"], "ms", "< 100")
     result.add("tasks claimed by a waiter / created", report["count"] / len(commits), "x", ">= 1.0")
     sampler.add_figures(result, rss_target="")
+    result.note_reopened([ready])
     result.note(
         f"{waiters:,} waiting claims, {len(commits)} tasks created {INTERVAL * 1000:.0f} ms "
         f"apart; p90 {report['p90']:.1f} ms, max {report['max']:.1f} ms; connections active "
