@@ -89,10 +89,9 @@ def run(config: Config) -> None:
     sockets_dir: str | None = None
     try:
         if config.workers > 1:
-            # The processes learn that they share the port, and where each listens for the
-            # /mcp/ requests of its sessions that reach another (board.mcp_workers): a
-            # directory of mode 0700, so that only this user reaches the sockets.
-            os.environ["TASKBOARD_SERVE_WORKERS"] = str(config.workers)
+            # The processes learn where each listens for the /mcp/ requests of its sessions
+            # that reach another (board.mcp_workers): a directory of mode 0700, so that
+            # only this user reaches the sockets.
             # A socket's path may be 107 bytes at most: under a long TMPDIR, use /tmp.
             short = len(tempfile.gettempdir()) <= 60
             sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-", dir=None if short else "/tmp")

@@ -320,12 +320,10 @@ TASKBOARD_MCP_SESSION_IDLE_SECONDS = env_int("TASKBOARD_MCP_SESSION_IDLE_SECONDS
 if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
     raise ImproperlyConfigured("TASKBOARD_MCP_SESSION_IDLE_SECONDS must be 1 or more.")
 
-# How many processes `taskboard serve --workers N` runs on its port; serve sets it for them
-# (taskboard.server).
-TASKBOARD_SERVE_WORKERS = env_int("TASKBOARD_SERVE_WORKERS", 1)
-# With more than one: the private directory where each of them listens on a Unix socket of
-# its own for the /mcp/ requests of its sessions that reach another (board.mcp_workers);
-# serve makes it for them. Unset: this process serves its sessions' requests by itself.
+# Under `taskboard serve --workers N` (N > 1): the private directory where each of its
+# processes listens on a Unix socket of its own for the /mcp/ requests of its sessions
+# that reach another (board.mcp_workers); serve makes it for them. Unset: this process
+# serves its sessions' requests by itself.
 TASKBOARD_SERVE_SOCKETS = os.environ.get("TASKBOARD_SERVE_SOCKETS", "")
 
 # Lease and strike defaults (board.conf reads these).
