@@ -245,6 +245,12 @@ class Relay:
     MAX_BACKOFF = 5.0
     # How often a relay that nobody listens to reads the events it was notified of.
     IDLE_READ_SECONDS = 1.0
+    # How long a relay waits for a notification before it reads anyway: the read also
+    # tells whether the session still answers.
+    CHECK_SECONDS = 30.0
+    # How long one statement of the relay's session may take before the session is given
+    # up for one that stopped answering.
+    QUERY_TIMEOUT_SECONDS = 10.0
 
     def __init__(
         self,
@@ -361,17 +367,19 @@ class Relay:
             self.conninfo, autocommit=True, row_factory=dict_row
         ) as conn:
             # LISTEN before reading the head: nothing committed after it goes unnoticed.
-            await conn.execute(f"LISTEN {CHANNEL}")
-            await conn.execute(f"LISTEN {QUEUE_CHANNEL}")
-            await conn.execute(f"LISTEN {DELIVERY_CHANNEL}")
-            await conn.execute(f"LISTEN {CREDENTIALS_CHANNEL}")
-            await conn.execute(f"LISTEN {AUTH_FAILURE_CHANNEL}")
+            await self._execute(conn, f"LISTEN {CHANNEL}")
+            await self._execute(conn, f"LISTEN {QUEUE_CHANNEL}")
+            await self._execute(conn, f"LISTEN {DELIVERY_CHANNEL}")
+            await self._execute(conn, f"LISTEN {CREDENTIALS_CHANNEL}")
+            await self._execute(conn, f"LISTEN {AUTH_FAILURE_CHANNEL}")
             self.backend_pid = conn.info.backend_pid
             if self.head is None:
-                cur = await conn.execute(QUERIES["stream_horizon"])
+                cur = await self._execute(conn, QUERIES["stream_horizon"])
                 horizon = await cur.fetchone()
                 assert horizon is not None
-                cur = await conn.execute(QUERIES["stream_head"], {"horizon": horizon["horizon"]})
+                cur = await self._execute(
+                    conn, QUERIES["stream_head"], {"horizon": horizon["horizon"]}
+                )
                 row = await cur.fetchone()
                 self.head = Cursor(int(row["txid"]), row["id"]) if row else START
                 self.buffer_floor = self.head
@@ -391,7 +399,7 @@ class Relay:
                 # Woken by a notification; while events wait behind an older transaction
                 # that may commit without notifying, look again shortly; otherwise check
                 # the connection now and then.
-                timeout = 0.05 if held_back else 30.0
+                timeout = 0.05 if held_back else self.CHECK_SECONDS
                 if self.leader_key is not None and not self.leading:
                     timeout = min(timeout, 1.0)  # try for the lock again soon
                 if self.unread:
@@ -432,8 +440,8 @@ class Relay:
         """
         if self.leader_key is None or self.leading:
             return
-        cur = await conn.execute(
-            "SELECT pg_try_advisory_lock(%(key)s) AS acquired", {"key": self.leader_key}
+        cur = await self._execute(
+            conn, "SELECT pg_try_advisory_lock(%(key)s) AS acquired", {"key": self.leader_key}
         )
         row = await cur.fetchone()
         if row and row["acquired"]:
@@ -450,12 +458,35 @@ class Relay:
             except Exception:
                 logger.exception("relay: a leadership listener failed")
 
+    async def _execute(
+        self, conn: psycopg.AsyncConnection[Any], query: str, params: Any = None
+    ) -> psycopg.AsyncCursor[Any]:
+        """Run one statement, with dict rows, within QUERY_TIMEOUT_SECONDS.
+
+        A session that stops answering without closing (a database host that hangs, a
+        connection that a network path or NAT dropped without a word) would otherwise be
+        waited on for as long as TCP keeps trying, about a quarter of an hour, while the
+        process's streams and waiting claims hear nothing. Past the timeout the connection
+        is closed (psycopg first asks the server to cancel, for at most 10 s) and the
+        error ends the session like any other loss: the relay connects again and reads
+        from its head, so nothing is missed.
+        """
+        cur = conn.cursor(row_factory=dict_row)
+        try:
+            async with asyncio.timeout(self.QUERY_TIMEOUT_SECONDS):
+                await cur.execute(query, params)
+        except TimeoutError:
+            await conn.close()
+            raise TimeoutError(
+                f"the database did not answer within {self.QUERY_TIMEOUT_SECONDS:g} s"
+            ) from None
+        return cur
+
     async def _catch_up(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Read and deliver everything after the head; return whether events are held back."""
         assert self.head is not None
         # The horizon is computed in its own statement, before the read: see stream.sql.
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(QUERIES["stream_horizon"])
+        cur = await self._execute(conn, QUERIES["stream_horizon"])
         horizon = await cur.fetchone()
         assert horizon is not None
         while True:
@@ -466,8 +497,8 @@ class Relay:
                 break
         if not horizon["in_flight"]:
             return False
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(
+        cur = await self._execute(
+            conn,
             QUERIES["stream_held_back"],
             {"txid": str(self.head.txid), "id": self.head.id, "horizon": horizon["horizon"]},
         )
@@ -625,8 +656,8 @@ class Relay:
         self, conn: psycopg.AsyncConnection[Any], after: Cursor, upto: Cursor, horizon: str
     ) -> list[StreamEvent]:
         """Read one page of events after ``after``, up to ``upto``, below ``horizon``."""
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(
+        cur = await self._execute(
+            conn,
             QUERIES["stream_after"],
             {
                 "txid": str(after.txid),
@@ -651,9 +682,9 @@ class Relay:
             if event.cursor.id == event_id:
                 return event.cursor
         async with self.pool().connection() as conn:
-            cur = await conn.execute(QUERIES["stream_cursor_of"], {"id": event_id})
+            cur = await self._execute(conn, QUERIES["stream_cursor_of"], {"id": event_id})
             row = await cur.fetchone()
-        return Cursor(int(row[0]), row[1]) if row else None
+        return Cursor(int(row["txid"]), row["id"]) if row else None
 
     def pool(self) -> AsyncConnectionPool:
         """Return the small pool used to replay what is no longer in memory."""

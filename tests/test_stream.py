@@ -992,3 +992,46 @@ def test_events_held_back_when_the_last_listener_left_are_read_for_the_next_stre
         older.close()
         background.run(relay.stop())
         background.close()
+
+
+def test_a_relay_whose_session_stops_answering_connects_again_and_delivers_what_it_missed(
+    agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay's session that stops answering without closing (its backend stopped here; a
+    database host that hangs, or a network path or NAT that drops the connection
+    silently) was waited on for ever: the process's streams and waiting claims heard
+    nothing more. Now a read that takes longer than QUERY_TIMEOUT_SECONDS ends the session,
+    and the relay connects again and reads what it missed."""
+    import os
+    import signal
+
+    import psutil
+
+    monkeypatch.setattr(relay_module.Relay, "QUERY_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(relay_module.Relay, "CHECK_SECONDS", 1.0)
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    received: list[int] = []
+    relay.listeners.add(lambda events: received.extend(event.cursor.id for event in events))
+    relay.demands.add(lambda: True)  # read each event at once, as with a stream open
+    background.run(relay.start())
+    try:
+        stalled = relay.backend_pid
+        assert stalled is not None
+        if not psutil.pid_exists(stalled):
+            pytest.skip("the database server is not on this machine: its session cannot be stopped")
+        os.kill(stalled, signal.SIGSTOP)
+        try:
+            task = transitions.create(actor=agent, title="made while the relay's session hangs")
+            made = TaskEvent.objects.get(task_id=task.id).id
+            deadline = time.monotonic() + 30
+            while made not in received:
+                assert time.monotonic() < deadline, "the relay still waits on its stopped session"
+                time.sleep(0.05)
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        assert relay.backend_pid != stalled
+        assert relay.reconnects == 1
+    finally:
+        background.run(relay.stop())
+        background.close()
