@@ -72,7 +72,9 @@ def test_a_waiting_claim_is_woken_by_a_new_task(
     assert claimed["id"] == task.id
     assert claimed["lease_token"]
     assert claimed["leased_by"] == "patient-agent"
-    assert answered_at - created_at < 1.0
+    # Woken by the notification, not by the 10 s wait running out; the margin is for a
+    # shared, loaded machine (a 1 s bound once failed at 1.3 s in CI).
+    assert answered_at - created_at < 5.0
     assert "taskboard-next-claimable" not in response.headers
 
 
@@ -270,7 +272,7 @@ def test_a_waiting_claim_is_woken_when_the_last_dependency_completes(
 
     response, answered_at = claim.result()
     assert [t["id"] for t in response.json()["tasks"]] == [then.id]
-    assert answered_at - completed_at < 1.0
+    assert answered_at - completed_at < 5.0  # woken, not the 10 s wait running out
 
 
 def test_a_paused_queue_holds_waiting_claims_and_its_resume_wakes_them(
