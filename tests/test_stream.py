@@ -1035,3 +1035,42 @@ def test_a_relay_whose_session_stops_answering_connects_again_and_delivers_what_
     finally:
         background.run(relay.stop())
         background.close()
+
+
+def test_a_leading_relay_whose_session_goes_silent_takes_the_lead_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leading relay's connection dropped silently on the way (a NAT, a firewall or a
+    proxy in between): the relay gives the session up and connects again, but the database
+    still sees the old session, idle, holding the leader lock, and would until its TCP
+    keepalive gave up on it (hours by default): no relay could lead, and nothing was
+    published to Pushpin. Now a relay that connects again ends its previous session first."""
+    from tests.silent_proxy import SilentProxy
+
+    monkeypatch.setattr(relay_module.Relay, "QUERY_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(relay_module.Relay, "CHECK_SECONDS", 1.0)
+    proxy = SilentProxy(relay_module.django_conninfo())
+    background = BackgroundLoop()
+    relay = relay_module.Relay(proxy.conninfo(), leader_key=relay_module.LEADER_LOCK)
+    background.run(relay.start())
+    try:
+        deadline = time.monotonic() + 5
+        while not relay.leading:
+            assert time.monotonic() < deadline, "the relay does not lead"
+            time.sleep(0.05)
+        silenced = relay.backend_pid
+        proxy.silence()
+
+        deadline = time.monotonic() + 20
+        while not (relay.leading and relay.backend_pid != silenced):
+            assert time.monotonic() < deadline, (
+                f"no lead again (reconnects: {relay.reconnects}, leading: {relay.leading})"
+            )
+            time.sleep(0.05)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [silenced])
+            assert cursor.fetchone()[0] == 0
+    finally:
+        background.run(relay.stop(), timeout=30)
+        background.close()
+        proxy.close()

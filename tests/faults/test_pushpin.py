@@ -51,11 +51,16 @@ class Client:
         # Reconnections before every client was connected (a burst of 500 connections
         # meets some 502s from Pushpin), which the tests do not count.
         self.reconnects_to_start = 0
+        # What each connection attempt came to, for a failure's message: the status line,
+        # or the error that ended it.
+        self.attempts: list[str] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            with contextlib.suppress(OSError, asyncio.IncompleteReadError, ValueError):
+            try:
                 await self._follow(stop)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                self.attempts.append(f"{type(exc).__name__}: {exc}")
             if stop.is_set():
                 return
             self.reconnects += 1
@@ -74,6 +79,7 @@ class Client:
             )
             await writer.drain()
             status = await reader.readline()
+            self.attempts.append(status.decode(errors="replace").strip() or "closed")
             if b" 200 " not in status:
                 return
             while not stop.is_set():
@@ -171,7 +177,8 @@ def assert_every_client_got_every_event_once_in_order(
     wrong = [client for client in clients if client.ids != expected]
     assert not wrong, (
         f"{len(wrong)} of {len(clients)} clients differ; first: {wrong[0].ids[:5]}... "
-        f"({len(wrong[0].ids)} ids) against {expected[:5]}... ({len(expected)})"
+        f"({len(wrong[0].ids)} ids, attempts {wrong[0].attempts[-6:]}) against "
+        f"{expected[:5]}... ({len(expected)})"
     )
 
 
