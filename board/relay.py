@@ -226,11 +226,17 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
     DATABASE_LISTEN_URL, when set, is that database reached directly, where DATABASE_URL
     goes through a pooler in transaction mode (PgBouncer), which cannot carry a LISTEN.
     """
-    if settings.DATABASE_LISTEN_URL:
-        return psycopg.conninfo.make_conninfo(
-            settings.DATABASE_LISTEN_URL, application_name=application_name
-        )
     params = connection.get_connection_params()
+    if settings.DATABASE_LISTEN_URL:
+        given = psycopg.conninfo.conninfo_to_dict(settings.DATABASE_LISTEN_URL)
+        # Give up on a host that never answers as Django's connections do, unless the URL
+        # says otherwise (libpq's default is to wait for ever).
+        timeout = {"connect_timeout": params.get("connect_timeout")}
+        if "connect_timeout" in given or timeout["connect_timeout"] is None:
+            timeout = {}
+        return psycopg.conninfo.make_conninfo(
+            settings.DATABASE_LISTEN_URL, **timeout, application_name=application_name
+        )
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
     kept = {
         key: value

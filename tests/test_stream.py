@@ -1074,3 +1074,40 @@ def test_a_leading_relay_whose_session_goes_silent_takes_the_lead_again(
         background.run(relay.stop(), timeout=30)
         background.close()
         proxy.close()
+
+
+def test_a_listen_url_gets_the_connect_timeout_of_the_database_settings(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DATABASE_LISTEN_URL (the relay's direct connection, where DATABASE_URL goes through
+    PgBouncer) was used as given: without a connect_timeout a relay connecting to a database
+    host that accepts the connection and never answers waited without end, where Django's
+    connections give up after DATABASE_CONNECT_TIMEOUT. A timeout in the URL still wins."""
+    import socket
+
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    try:
+        port = mute.getsockname()[1]
+        options = connection.settings_dict.setdefault("OPTIONS", {})
+        monkeypatch.setitem(options, "connect_timeout", 1)
+        settings.DATABASE_LISTEN_URL = f"postgresql://taskboard@127.0.0.1:{port}/taskboard"
+        outcome: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                psycopg.connect(relay_module.django_conninfo()).close()
+            except psycopg.OperationalError as exc:
+                outcome.append(exc)
+
+        started = time.monotonic()
+        attempt = threading.Thread(target=connect, daemon=True)
+        attempt.start()
+        attempt.join(15)
+        assert outcome, "the relay's connection still waits on a database that never answers"
+        assert time.monotonic() - started < 10
+
+        settings.DATABASE_LISTEN_URL += "?connect_timeout=3"
+        params = psycopg.conninfo.conninfo_to_dict(relay_module.django_conninfo())
+        assert params["connect_timeout"] == "3"
+    finally:
+        mute.close()
