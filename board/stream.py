@@ -27,7 +27,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
@@ -365,6 +365,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     listener = asyncio.create_task(until_disconnect(receive))
     shutdown = asyncio.create_task(closing().wait())
     revoked = asyncio.create_task(stream.revoked.wait())
+    outcomes: Sequence[object] = ()
     try:
         done, _ = await asyncio.wait(
             {writer, listener, shutdown, revoked}, return_when=asyncio.FIRST_COMPLETED
@@ -376,9 +377,15 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         close_stream(stream)
         for task in (writer, listener, shutdown, revoked):
             task.cancel()
-        for task in (writer, listener, shutdown, revoked):
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await task
+        outcomes = await asyncio.gather(writer, listener, shutdown, revoked, return_exceptions=True)
+    failure = outcomes[0]
+    if isinstance(failure, DatabaseError | TimeoutError | psycopg.Error):
+        # A replay the database could not answer (in time): end the response as below,
+        # and the client resumes after its last event.
+        logger.warning("stream: ended, the database failed: %s", failure)
+        ending = True
+    elif isinstance(failure, Exception) and not isinstance(failure, OSError):
+        raise failure  # a defect: as any view's, for the server's log
     if ending:
         # End the response: the client reconnects (to another server, or to this one
         # restarted) after RETRY_MILLISECONDS, and resumes after its last event; with

@@ -1111,3 +1111,40 @@ def test_a_listen_url_gets_the_connect_timeout_of_the_database_settings(
         assert params["connect_timeout"] == "3"
     finally:
         mute.close()
+
+
+@pytest.mark.parametrize("error", [TimeoutError, psycopg.OperationalError])
+def test_a_stream_whose_replay_fails_ends_cleanly_and_says_why(
+    server: LiveServer,
+    watcher: dict[str, str],
+    agent: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: type[Exception],
+) -> None:
+    """A replay that fails (the database away, or too slow) ends the stream: the client
+    resumes after its last event a second later. A TimeoutError ended it without a word in
+    the log, and a psycopg error escaped the view as an unhandled exception; now both end
+    the response properly and log the cause. (Behind Pushpin the replay comes before the
+    answer, which is then the API's 503: Pushpin's client retries as EventSource does.)"""
+    first = transitions.create(actor=agent, title="seen")
+    transitions.create(actor=agent, title="missed")
+    resume_from = str(TaskEvent.objects.get(task_id=first.id).id)
+
+    async def failing_replay(self: Any, after: Any, upto: Any) -> Any:
+        raise error("the database did not answer")
+        yield  # an async generator, as Relay.replay is
+
+    monkeypatch.setattr(relay_module.Relay, "replay", failing_replay)
+    resuming = {**watcher, "Last-Event-ID": resume_from}
+    with (
+        caplog.at_level("WARNING", logger="board.stream"),
+        StreamCollector(stream_url(server), resuming) as stream,
+    ):
+        assert stream.status == (503 if server.origin_url != server.url else 200)
+        assert ended_within(stream, 5)
+    assert any(
+        "the database did not answer" in record.getMessage()
+        for record in caplog.records
+        if record.name == "board.stream"
+    ), [record.getMessage() for record in caplog.records]
