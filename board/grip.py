@@ -45,7 +45,6 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
 import httpx
 import jwt
@@ -200,7 +199,10 @@ def hold_headers(
     """
     header = create_grip_channel_header(channels(prev_id, access))
     headers = [(b"grip-channel", header.encode())]
-    link = f"{path}?{urlencode({'link': 'next', 'auth': seal(credentials)})}"
+    # The credentials go in the link's path, not its query: Pushpin shares one request of
+    # a link among the streams that ask it at once, matching links by path and Grip-Last
+    # only, so streams of different credentials must never have the same path.
+    link = f"{path}next/{seal(credentials)}/"
     if hold:
         keepalive_seconds = max(1, math.ceil(keepalive))  # Pushpin counts whole seconds
         headers += [
@@ -215,7 +217,7 @@ def hold_headers(
             ),
         ]
     else:
-        headers.append((b"grip-link", f"<{link}&after={prev_id}>; rel=next".encode()))
+        headers.append((b"grip-link", f"<{link}?after={prev_id}>; rel=next".encode()))
     return headers
 
 

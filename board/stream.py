@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PATH = "/api/v1/stream/"
+# Where Pushpin asks a held stream's next link (board.grip): only Pushpin's requests.
+NEXT_PATH = PATH + "next/"
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
 STREAM_HEADERS = [
@@ -302,8 +304,12 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }
-    if grip.proxied(headers) and scope["method"] == "GET" and next_link_query(scope):
-        await next_link(scope, headers, send)
+    if scope["path"] != PATH:
+        # A next link (NEXT_PATH): asked by Pushpin only, signed.
+        if grip.proxied(headers) and scope["method"] == "GET" and next_link_query(scope):
+            await next_link(scope, headers, send)
+        else:
+            await send_response(send, error_response(404, "not_found", "Not found."))
         return
     client = scope.get("client")
     address = str(client[0]) if client else ""
@@ -395,12 +401,17 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def next_link_query(scope: Scope) -> dict[str, str] | None:
-    """The parameters of a request of a held stream's ``next`` link (board.grip), or None
-    for any other request."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    if query.get("link") != ["next"]:
+    """The parameters of a request of a held stream's ``next`` link (board.grip), its
+    sealed credentials as ``auth`` (from the path, NEXT_PATH + sealed + "/"), or None for
+    any other request."""
+    path = scope["path"]
+    if not (path.startswith(NEXT_PATH) and path.endswith("/")):
         return None
-    return {name: values[-1] for name, values in query.items()}
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return {
+        **{name: values[-1] for name, values in query.items()},
+        "auth": path[len(NEXT_PATH) : -1],
+    }
 
 
 # What the stream asks the database (authentication, where a new stream starts, and the

@@ -52,7 +52,9 @@ http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "http" and scope["path"] == stream.PATH:
+    if scope["type"] == "http" and (
+        scope["path"] == stream.PATH or scope["path"].startswith(stream.NEXT_PATH)
+    ):
         await stream.application(scope, receive, send)
     elif scope["type"] == "http" and scope["path"] in mcp_http.PATHS:
         await mcp_http.application(scope, receive, send)

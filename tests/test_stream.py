@@ -795,6 +795,14 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
         with StreamCollector(stream_url(server), {"Grip-Last": "events; last-id=0"}, **params) as s:
             assert s.status in {204, 401}
             assert s.nothing_within(0.3)
+    for path in ("next/forged/", "next//", "next/forged"):
+        with StreamCollector(
+            stream_url(server) + path, {"Grip-Last": "events; last-id=0"}, after="0"
+        ) as s:
+            # Through Pushpin, signed, with credentials that unseal to nothing: 204 (Pushpin
+            # ends the stream); anything else is no next link.
+            assert s.status in {204, 404}
+            assert s.nothing_within(0.3)
 
 
 def test_one_relay_at_a_time_leads_and_the_lead_is_taken_again_when_it_is_cut_off() -> None:
@@ -1148,3 +1156,45 @@ def test_a_stream_whose_replay_fails_ends_cleanly_and_says_why(
         for record in caplog.records
         if record.name == "board.stream"
     ), [record.getMessage() for record in caplog.records]
+
+
+@pytest.mark.usefixtures("quick_recheck")
+def test_held_streams_of_different_agents_are_never_answered_for_each_other(
+    tmp_path: Any, settings: Any, agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pushpin shares one request of a held stream's ``next`` link among the streams that
+    ask the same link at the same time, and matches the link by its path and Grip-Last
+    only, not its query. The stream's credentials were in the query: an agent limited to
+    one queue and an unlimited one, both held at the same event, were answered with one
+    of theirs, so the limited stream was then sent every queue's events (or the other
+    missed them). The credentials are now in the path."""
+    from board.access import limit_queues
+
+    if shutil.which("pushpin") is None:
+        pytest.skip("no pushpin (apt-get install pushpin; .ci/run installs it)")
+    limited_user = UserFactory(username="limited")
+    limit_queues(limited_user, ["open"])
+    limited = {"Authorization": f"Bearer {TokenFactory(user=limited_user).key}"}
+    unlimited = {"Authorization": f"Bearer {TokenFactory(user=UserFactory(username='all')).key}"}
+    slow_next_link = stream_module.next_link
+
+    async def next_link(*args: Any) -> None:
+        await asyncio.sleep(0.6)  # long enough for both streams' requests to overlap
+        await slow_next_link(*args)
+
+    monkeypatch.setattr(stream_module, "next_link", next_link)
+    with (
+        live_server_behind_pushpin(tmp_path / "pushpin", settings) as server,
+        StreamCollector(stream_url(server), limited) as limited_stream,
+        StreamCollector(stream_url(server), unlimited) as unlimited_stream,
+    ):
+        for _ in range(3):
+            time.sleep(2.2)  # the streams' next links are asked again every second
+            secret = transitions.create(actor=agent, title="secret", queue="secret")
+            seen = transitions.create(actor=agent, title="seen", queue="open")
+            assert [e["json"]["task_id"] for e in unlimited_stream.take(2, timeout=5)] == [
+                secret.id,
+                seen.id,
+            ]
+            assert [e["json"]["task_id"] for e in limited_stream.take(1, timeout=5)] == [seen.id]
+            assert limited_stream.nothing_within(0.3)
