@@ -510,8 +510,8 @@ async def hold(
     the events published after the last one sent (board.grip)."""
     upto = relay.head
     assert upto is not None
-    chunks = [f"retry: {RETRY_MILLISECONDS}\n: connected\n\n".encode()] if preamble else []
     position = after if after is not None else upto
+    chunks = [preamble_of(position)] if preamble else []
     sent = 0
     if after is not None and after < upto:
         async for page in relay.replay(after, upto):
@@ -541,6 +541,15 @@ async def hold(
     await send({"type": "http.response.body", "body": b"".join(chunks)})
 
 
+def preamble_of(position: Cursor) -> bytes:
+    """The start of a stream that begins after ``position``: the reconnection delay, and
+    the position as an ``id:`` without data, which sets EventSource's lastEventId and
+    dispatches nothing. A client whose connection drops before its first event (Pushpin
+    restarted, a server process killed) then resumes from where its stream started,
+    instead of from whatever is new when it reconnects."""
+    return f"retry: {RETRY_MILLISECONDS}\nid: {position.id}\n: connected\n\n".encode()
+
+
 async def events(
     relay: Relay, after: Cursor | None, access: QueueAccess | OpenStream = EVERY_QUEUE
 ) -> AsyncIterator[bytes]:
@@ -552,7 +561,7 @@ async def events(
 
     subscriber = relay.subscribe()
     try:
-        yield f"retry: {RETRY_MILLISECONDS}\n: connected\n\n".encode()
+        yield preamble_of(after if after is not None else subscriber.start)
         # When the client was last written to: a limited client may see nothing of a busy
         # board for a long time, and still needs a keep-alive on time.
         written = time.monotonic()

@@ -182,7 +182,7 @@ EXAMPLE_EVENT = {
     "task": EXAMPLE_TASK,
 }
 STREAM_EXAMPLE = (
-    "retry: 1000\n: connected\n\n"
+    "retry: 1000\nid: 41\n: connected\n\n"
     f"id: 42\nevent: task_event\ndata: {json.dumps(EXAMPLE_EVENT)}\n\n"
     ": keep-alive\n\n"
 )
@@ -199,7 +199,10 @@ STREAM_PATH = {
             "Reconnect with the last id received "
             "(the `Last-Event-ID` header, which EventSource sends itself, or `lastEventId`) "
             "to be replayed every event missed, in order, none twice, also across server "
-            "restarts. Comment lines keep the connection alive at least every 30 s. "
+            "restarts. The stream opens with `retry:` and an `id:` without data, the "
+            "position it starts from (EventSource takes it as its last id and dispatches "
+            "nothing), so a client whose connection drops before its first event resumes "
+            "without a gap. Comment lines keep the connection alive at least every 30 s. "
             "Without a resume id, or with one the server does not know, the stream starts "
             "with the next event."
         ),

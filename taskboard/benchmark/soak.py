@@ -231,7 +231,8 @@ class Load:
                         events = 0
                         for line in response.iter_lines():
                             if line.startswith("id:"):
-                                last = line[3:].strip()
+                                last = line[3:].strip()  # also the opening position
+                            elif line.startswith("data:"):
                                 events += 1
                             if time.monotonic() - opened > hold or self.stopping.is_set():
                                 break  # hang up, as a closed tab does

@@ -45,7 +45,10 @@ class Client:
     def __init__(self, port: int, token: str) -> None:
         self.port = port
         self.token = token
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # of the events received
+        # The last id received, as EventSource keeps it: an event's, or the position a
+        # stream opens with (an id without data).
+        self.last_id: str | None = None
         self.connected = asyncio.Event()
         self.reconnects = 0
         # Reconnections before every client was connected (a burst of 500 connections
@@ -69,7 +72,7 @@ class Client:
     async def _follow(self, stop: asyncio.Event) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
-            resume = f"Last-Event-ID: {self.ids[-1]}\r\n" if self.ids else ""
+            resume = f"Last-Event-ID: {self.last_id}\r\n" if self.last_id is not None else ""
             writer.write(
                 (
                     "GET /api/v1/stream/ HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -82,6 +85,9 @@ class Client:
             self.attempts.append(status.decode(errors="replace").strip() or "closed")
             if b" 200 " not in status:
                 return
+            # The response is read raw, chunked: an id is an event's if data follows it
+            # before the next id.
+            pending: str | None = None
             while not stop.is_set():
                 line = await reader.readline()
                 if not line:
@@ -90,7 +96,10 @@ class Client:
                 if text.startswith(": connected"):
                     self.connected.set()
                 elif text.startswith("id: "):
-                    self.ids.append(int(text[4:]))
+                    pending = self.last_id = text[4:]
+                elif text.startswith("data: ") and pending is not None:
+                    self.ids.append(int(pending))
+                    pending = None
         finally:
             writer.close()
             with contextlib.suppress(Exception):
