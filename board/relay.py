@@ -303,16 +303,16 @@ class Relay:
         self.healthy_after = healthy_after
         self._listening_since: float | None = None
         self.backend_pid: int | None = None
-        # The last session's backend, as (pid, backend_start): a relay that connects again
-        # ends it if the database still has it (see _end_previous_session).
-        self._previous_session: tuple[int, datetime] | None = None
+        # This relay's earlier sessions, as (pid, backend_start), that the database may
+        # still have: each new session ends them (see _end_previous_sessions).
+        self._previous_sessions: set[tuple[int, datetime]] = set()
         self._task: asyncio.Task[None] | None = None
         self._pool: AsyncConnectionPool | None = None
         # Behind Pushpin (board.grip), the relays of every server process compete for one
         # advisory lock, taken on this LISTEN connection: its holder publishes the events.
         # A process that dies, or loses its connection, loses the lock with its session, and
         # the next relay to try takes it (within a second: see _listen). A session dropped
-        # silently on the way is ended by the relay's next one (_end_previous_session).
+        # silently on the way is ended by the relay's next one (_end_previous_sessions).
         self.leader_key = leader_key
         self.leading = False
         self.leadership_listeners: set[Callable[[bool], None]] = set()
@@ -376,14 +376,13 @@ class Relay:
         async with await psycopg.AsyncConnection.connect(
             self.conninfo, autocommit=True, row_factory=dict_row
         ) as conn:
+            await self._end_previous_sessions(conn)
             # LISTEN before reading the head: nothing committed after it goes unnoticed.
             await self._execute(conn, f"LISTEN {CHANNEL}")
             await self._execute(conn, f"LISTEN {QUEUE_CHANNEL}")
             await self._execute(conn, f"LISTEN {DELIVERY_CHANNEL}")
             await self._execute(conn, f"LISTEN {CREDENTIALS_CHANNEL}")
             await self._execute(conn, f"LISTEN {AUTH_FAILURE_CHANNEL}")
-            self.backend_pid = conn.info.backend_pid
-            await self._end_previous_session(conn)
             if self.head is None:
                 cur = await self._execute(conn, QUERIES["stream_horizon"])
                 horizon = await cur.fetchone()
@@ -443,39 +442,46 @@ class Relay:
                 idle_until = time.monotonic() + self.IDLE_READ_SECONDS
                 await self._lead(conn)
 
-    async def _end_previous_session(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """End this relay's previous session if the database still has it; remember this one.
+    async def _end_previous_sessions(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Remember this session; end this relay's earlier ones if the database still has them.
 
         A connection given up on (QUERY_TIMEOUT_SECONDS) may have been dropped silently on
         the way, by a NAT, a firewall or a proxy that keeps the database's side open: the
         database then sees an idle session, keeps its LISTENs and, behind Pushpin, the
         leader lock, until TCP keepalive gives up on it (about two hours by default). No
-        relay could lead meanwhile. The session is matched by its start time as well as its
-        pid, which the operating system may have given to another process since.
+        relay could lead meanwhile. A session is matched by its start time as well as its
+        pid, which the operating system may have given to another process since, and is
+        forgotten only once the database no longer has it: an attempt that fails (the
+        network still flaky) is made again by the next session. The pid is the one the
+        server reports (a pooler in between would announce another).
         """
         cur = await self._execute(
-            conn, "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            conn,
+            "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
         )
         row = await cur.fetchone()
-        previous, self._previous_session = (
-            self._previous_session,
-            (conn.info.backend_pid, row["backend_start"]) if row else None,
-        )
-        if previous is None:
-            return
-        pid, started = previous
-        try:
-            cur = await self._execute(
-                conn,
-                "SELECT pg_terminate_backend(pid) AS ended FROM pg_stat_activity"
-                " WHERE pid = %(pid)s AND backend_start = %(started)s",
-                {"pid": pid, "started": started},
-            )
-        except psycopg.errors.InsufficientPrivilege as exc:
-            logger.warning("relay: could not end its previous session %s (%s)", pid, exc)
-            return
-        if await cur.fetchone():
-            logger.warning("relay: ended its previous session (backend %s), still open", pid)
+        self.backend_pid = row["pid"] if row else conn.info.backend_pid
+        previous = sorted(self._previous_sessions)
+        if row:
+            self._previous_sessions.add((row["pid"], row["backend_start"]))
+        for pid, started in previous:
+            try:
+                cur = await self._execute(
+                    conn,
+                    "SELECT pg_terminate_backend(pid) AS ended FROM pg_stat_activity"
+                    " WHERE pid = %(pid)s AND backend_start = %(started)s",
+                    {"pid": pid, "started": started},
+                )
+            except psycopg.errors.InsufficientPrivilege as exc:
+                logger.warning("relay: could not end its previous session %s (%s)", pid, exc)
+                self._previous_sessions.discard((pid, started))
+                continue
+            found = await cur.fetchone()
+            if found is None or found["ended"]:
+                # Gone, or going: the lock goes with it.
+                self._previous_sessions.discard((pid, started))
+            if found is not None and found["ended"]:
+                logger.warning("relay: ended its previous session (backend %s), still open", pid)
 
     async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Take the leader lock if this relay competes for it and nobody holds it.

@@ -800,6 +800,14 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
         with StreamCollector(stream_url(server), {"Grip-Last": "events; last-id=0"}, **params) as s:
             assert s.status in {204, 401}
             assert s.nothing_within(0.3)
+    # A next link of the earlier form, its credentials in the query: behind Pushpin the
+    # stream is ended (204; its client resumes), not answered for those credentials.
+    from board import grip
+
+    sealed = grip.seal(("token", "whatever"))
+    with StreamCollector(stream_url(server), link="next", auth=sealed, after="0") as s:
+        assert s.status == (204 if server.origin_url != server.url else 401)
+        assert s.nothing_within(0.3)
     for path in ("next/forged/", "next//", "next/forged"):
         with StreamCollector(
             stream_url(server) + path, {"Grip-Last": "events; last-id=0"}, after="0"
@@ -1058,6 +1066,15 @@ def test_a_leading_relay_whose_session_goes_silent_takes_the_lead_again(
     still sees the old session, idle, holding the leader lock, and would until its TCP
     keepalive gave up on it (hours by default): no relay could lead, and nothing was
     published to Pushpin. Now a relay that connects again ends its previous session first."""
+    silenced = leader_silenced_and_leading_again(monkeypatch, timeout=20)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [silenced])
+        assert cursor.fetchone()[0] == 0
+
+
+def leader_silenced_and_leading_again(monkeypatch: pytest.MonkeyPatch, timeout: float) -> int:
+    """Start a leading relay whose connection goes through a SilentProxy, silence it, and
+    wait for the relay to lead again on a new session; return the silenced backend's pid."""
     from tests.silent_proxy import SilentProxy
 
     monkeypatch.setattr(relay_module.Relay, "QUERY_TIMEOUT_SECONDS", 1.0)
@@ -1072,17 +1089,16 @@ def test_a_leading_relay_whose_session_goes_silent_takes_the_lead_again(
             assert time.monotonic() < deadline, "the relay does not lead"
             time.sleep(0.05)
         silenced = relay.backend_pid
+        assert silenced is not None
         proxy.silence()
 
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + timeout
         while not (relay.leading and relay.backend_pid != silenced):
             assert time.monotonic() < deadline, (
                 f"no lead again (reconnects: {relay.reconnects}, leading: {relay.leading})"
             )
             time.sleep(0.05)
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [silenced])
-            assert cursor.fetchone()[0] == 0
+        return silenced
     finally:
         background.run(relay.stop(), timeout=30)
         background.close()
@@ -1230,3 +1246,24 @@ def test_a_client_that_has_received_no_event_yet_resumes_without_a_gap(
     with StreamCollector(stream_url(server), {**watcher, "Last-Event-ID": position}) as stream:
         assert [event["json"]["task_id"] for event in stream.take(3)] == missed
         assert stream.nothing_within(0.3)
+
+
+def test_a_relay_ends_a_silent_session_even_if_its_first_attempt_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session that ends a silent predecessor may itself fail before it has (the network
+    still flaky): the predecessor, which holds the leader lock, is not forgotten, and the
+    next session ends it."""
+    execute = relay_module.Relay._execute
+    failed: list[str] = []
+
+    async def flaky_execute(self: Any, conn: Any, query: str, params: Any = None) -> Any:
+        if "pg_terminate_backend" in query and not failed:
+            failed.append(query)
+            await conn.close()
+            raise TimeoutError("the database did not answer (made to fail once)")
+        return await execute(self, conn, query, params)
+
+    monkeypatch.setattr(relay_module.Relay, "_execute", flaky_execute)
+    leader_silenced_and_leading_again(monkeypatch, timeout=30)
+    assert failed, "the first attempt to end the silent session was not made to fail"
