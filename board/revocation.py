@@ -11,7 +11,9 @@ app), and each process's relay hears it (board.relay). Then:
   (the cache above is emptied) when Pushpin next asks their ``next`` link, every
   TASKBOARD_HELD_STREAM_RECHECK_SECONDS. Closing them at once through a per-user channel
   was tried and taken out: with that second channel on every held stream, a CI run saw
-  300 of 500 streams behind Pushpin receive no event at all (not reproduced since).
+  300 of 500 streams behind Pushpin receive no event at all. The symptom came back
+  without it, from another cause since fixed (streams now open with their position: see
+  board.stream.preamble_of), which may have been this one's too.
 
 Each step also has a slower backstop that needs no notification: the cache's expiry, the
 periodic re-check of open streams, and Pushpin's re-check of held streams.
