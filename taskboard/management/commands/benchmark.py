@@ -21,7 +21,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--quick", action="store_true", help="smaller sizes: finishes in under two minutes"
+            "--quick", action="store_true", help="smaller sizes: finishes in about three minutes"
         )
         parser.add_argument(
             "--only",
