@@ -22,6 +22,8 @@ WITH failure AS (
     -- (access.throttle.CleanAddresses), at the commit of this same statement.
     SELECT pg_notify('auth_failures', %(address)s) FROM failure WHERE failures = 1
 )
+-- The announced column is read by nobody, and must stay: PostgreSQL runs a SELECT in a WITH
+-- only as far as the outer query reads it, so without it no NOTIFY would be sent.
 SELECT failures, ceil(extract(epoch FROM window_end - statement_timestamp()))::int,
        (SELECT count(*) FROM announced) AS announced
 FROM failure;
