@@ -452,8 +452,9 @@ class Relay:
         relay could lead meanwhile. A session is matched by its start time as well as its
         pid, which the operating system may have given to another process since, and is
         forgotten only once the database no longer has it: an attempt that fails (the
-        network still flaky) is made again by the next session. The pid is the one the
-        server reports (a pooler in between would announce another).
+        network still flaky) is made again by the next session. All are ended in one
+        statement, so that a database that keeps failing does not make the list longer
+        than the sessions it still has.
         """
         cur = await self._execute(
             conn,
@@ -462,26 +463,33 @@ class Relay:
         row = await cur.fetchone()
         self.backend_pid = row["pid"] if row else conn.info.backend_pid
         previous = sorted(self._previous_sessions)
-        if row:
+        # Through a pooler the server's pid is not the one the connection announced, and
+        # the server connection outlives this session, lent to other clients: it must not
+        # be ended later.
+        if row and row["pid"] == conn.info.backend_pid:
             self._previous_sessions.add((row["pid"], row["backend_start"]))
-        for pid, started in previous:
-            try:
-                cur = await self._execute(
-                    conn,
-                    "SELECT pg_terminate_backend(pid) AS ended FROM pg_stat_activity"
-                    " WHERE pid = %(pid)s AND backend_start = %(started)s",
-                    {"pid": pid, "started": started},
-                )
-            except psycopg.errors.InsufficientPrivilege as exc:
-                logger.warning("relay: could not end its previous session %s (%s)", pid, exc)
-                self._previous_sessions.discard((pid, started))
-                continue
-            found = await cur.fetchone()
-            if found is None or found["ended"]:
-                # Gone, or going: the lock goes with it.
-                self._previous_sessions.discard((pid, started))
-            if found is not None and found["ended"]:
-                logger.warning("relay: ended its previous session (backend %s), still open", pid)
+        if not previous:
+            return
+        try:
+            cur = await self._execute(
+                conn,
+                "SELECT a.pid, a.backend_start, pg_terminate_backend(a.pid) AS ended"
+                " FROM pg_stat_activity a JOIN unnest(%(pids)s::int[],"
+                " %(starts)s::timestamptz[]) AS s (pid, started)"
+                " ON a.pid = s.pid AND a.backend_start = s.started",
+                {"pids": [pid for pid, _ in previous], "starts": [t for _, t in previous]},
+            )
+        except psycopg.errors.InsufficientPrivilege as exc:
+            logger.warning("relay: could not end its previous sessions (%s)", exc)
+            self._previous_sessions.difference_update(previous)
+            return
+        found = await cur.fetchall()
+        still = {(r["pid"], r["backend_start"]) for r in found if not r["ended"]}
+        # Gone, or going (ended now): the lock goes with it.
+        self._previous_sessions.difference_update(set(previous) - still)
+        for r in found:
+            if r["ended"]:
+                logger.warning("relay: ended its previous session (backend %s)", r["pid"])
 
     async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Take the leader lock if this relay competes for it and nobody holds it.

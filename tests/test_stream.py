@@ -1066,10 +1066,7 @@ def test_a_leading_relay_whose_session_goes_silent_takes_the_lead_again(
     still sees the old session, idle, holding the leader lock, and would until its TCP
     keepalive gave up on it (hours by default): no relay could lead, and nothing was
     published to Pushpin. Now a relay that connects again ends its previous session first."""
-    silenced = leader_silenced_and_leading_again(monkeypatch, timeout=20)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [silenced])
-        assert cursor.fetchone()[0] == 0
+    leader_silenced_and_leading_again(monkeypatch, timeout=20)
 
 
 def leader_silenced_and_leading_again(monkeypatch: pytest.MonkeyPatch, timeout: float) -> int:
@@ -1090,6 +1087,7 @@ def leader_silenced_and_leading_again(monkeypatch: pytest.MonkeyPatch, timeout: 
             time.sleep(0.05)
         silenced = relay.backend_pid
         assert silenced is not None
+        assert relay.reconnects == 0  # the session silenced is the one that leads
         proxy.silence()
 
         deadline = time.monotonic() + timeout
@@ -1098,6 +1096,9 @@ def leader_silenced_and_leading_again(monkeypatch: pytest.MonkeyPatch, timeout: 
                 f"no lead again (reconnects: {relay.reconnects}, leading: {relay.leading})"
             )
             time.sleep(0.05)
+        with connection.cursor() as cursor:  # ended, not only freed of its lock
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [silenced])
+            assert cursor.fetchone()[0] == 0
         return silenced
     finally:
         background.run(relay.stop(), timeout=30)
