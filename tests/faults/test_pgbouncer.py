@@ -9,6 +9,7 @@ Debian's ``pgbouncer`` package (.ci/run installs it); skipped where it is missin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pwd
@@ -192,3 +193,29 @@ def test_the_board_through_pgbouncer_in_transaction_mode_with_a_direct_listen(
     assert 0 < len(servers) <= SERVER_CONNECTIONS
     stats = next(row for row in _admin(bouncer, "SHOW STATS") if row["database"] == "board")
     assert int(str(stats["total_xact_count"])) > TASKS * 3
+
+
+def test_a_relay_through_pgbouncer_never_ends_the_server_connections_it_leaves(
+    bouncer: str,
+) -> None:
+    """A relay that connects again ends its earlier sessions that the database still has
+    (board.relay, for a session dropped silently on the way). Through a pooler, the
+    server connection a relay's session ran on is lent on to other clients when it leaves:
+    ending it would cut off someone else, or the relay's own new session. None is recorded
+    there (the server's pid is not the one the connection announced)."""
+    from board.relay import Relay
+
+    async def connect_twice() -> int | None:
+        relay = Relay(psycopg.conninfo.make_conninfo(bouncer))
+        await relay.start()
+        first = relay.backend_pid
+        await relay.stop()
+        await relay.start()
+        await asyncio.sleep(0.5)  # an ended backend is gone by now
+        await relay.stop()
+        return first
+
+    server_connection = asyncio.run(connect_twice())
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [server_connection])
+        assert cursor.fetchone()[0] == 1, "a server connection of PgBouncer's pool was ended"
