@@ -194,8 +194,18 @@ def assert_every_client_got_every_event_once_in_order(
 def server_processes(server: ServeProcess) -> list[psutil.Process]:
     """The uvicorn worker processes of ``serve --workers N`` (not Pushpin, not the
     resource tracker of multiprocessing)."""
-    children = psutil.Process(server.process.pid).children()
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    return children_running(server, "spawn_main")
+
+
+def children_running(server: ServeProcess, word: str) -> list[psutil.Process]:
+    """The processes under ``serve`` whose command line has ``word``; a killed one that is
+    not yet reaped (a zombie) is none of them."""
+    found = []
+    for child in psutil.Process(server.process.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if word in " ".join(child.cmdline()):
+                found.append(child)
+    return found
 
 
 def publishing_process(server: ServeProcess) -> psutil.Process:
@@ -239,11 +249,7 @@ def test_every_client_gets_every_event_once_when_pushpin_restarts(
     behind_pushpin: ServeProcess, token_for: Callable[[str], str]
 ) -> None:
     def runner() -> psutil.Process:
-        [found] = [
-            child
-            for child in psutil.Process(behind_pushpin.process.pid).children()
-            if "pushpin" in " ".join(child.cmdline())
-        ]
+        [found] = children_running(behind_pushpin, "pushpin")
         return found
 
     killed = threading.Event()
