@@ -228,15 +228,13 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
     """
     params = connection.get_connection_params()
     if settings.DATABASE_LISTEN_URL:
-        given = psycopg.conninfo.conninfo_to_dict(settings.DATABASE_LISTEN_URL)
         # Give up on a host that never answers as Django's connections do, unless the URL
         # says otherwise (libpq's default is to wait for ever).
-        timeout = {"connect_timeout": params.get("connect_timeout")}
-        if "connect_timeout" in given or timeout["connect_timeout"] is None:
-            timeout = {}
-        return psycopg.conninfo.make_conninfo(
-            settings.DATABASE_LISTEN_URL, **timeout, application_name=application_name
-        )
+        extra = {"application_name": application_name}
+        given = psycopg.conninfo.conninfo_to_dict(settings.DATABASE_LISTEN_URL)
+        if "connect_timeout" not in given and params.get("connect_timeout") is not None:
+            extra["connect_timeout"] = params["connect_timeout"]
+        return psycopg.conninfo.make_conninfo(settings.DATABASE_LISTEN_URL, **extra)
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
     kept = {
         key: value

@@ -304,16 +304,18 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }
+    # Pushpin's request (its signature checked once: a burst of streams opening pays it).
+    proxied = grip.proxied(headers)
     if scope["path"] != PATH:
         # A next link (NEXT_PATH): asked by Pushpin only, signed.
-        if grip.proxied(headers) and scope["method"] == "GET" and next_link_query(scope):
+        if proxied and scope["method"] == "GET" and next_link_query(scope):
             await next_link(scope, headers, send)
         else:
             await send_response(send, error_response(404, "not_found", "Not found."))
         return
-    if grip.proxied(headers) and parse_qs(scope.get("query_string", b"").decode("latin-1")).get(
-        "link"
-    ) == ["next"]:
+    if proxied and parse_qs(scope.get("query_string", b"").decode("latin-1")).get("link") == [
+        "next"
+    ]:
         # A next link of the earlier form (its credentials in the query, which Pushpin
         # leaves out when it shares a request among streams), asked for a stream held
         # across an upgrade: end the stream, whose client resumes with Last-Event-ID and is
@@ -346,7 +348,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         return
     _, access = authorized
     # Behind Pushpin, answer at once and let Pushpin hold the stream (board.grip).
-    held = scope["method"] == "GET" and grip.proxied(headers)
+    held = scope["method"] == "GET" and proxied
     try:
         relay = await get_relay()
         await relay.current()
