@@ -21,9 +21,12 @@ id in ``Grip-Last``, and the process that answers replays what is missing. So a 
 change, a server process killed or Pushpin restarted (every client then resumes with
 Last-Event-ID) never loses or repeats an event.
 
-The same ``next`` link is requested every :func:`recheck_seconds`, so that a held stream's
-credentials are checked again, as open streams are without Pushpin: a revoked token or a
-deactivated user ends the stream, and the reconnection is refused.
+A change of a user's credentials (board.revocation) closes the user's held streams at
+once, by a close published on the user's channel (:func:`close_streams_of`): each client
+resumes, and is refused or streams under its new queue limit. As a backstop, the ``next``
+link is requested every :func:`recheck_seconds`, so that a held stream's credentials are
+checked again, as open streams are without Pushpin: a revoked token or a deactivated user
+ends the stream, and the reconnection is refused.
 
 Written here rather than taken from django-eventstream: its GRIP path names events
 ``<channel>:<id>``, pads and announces the stream (``stream-open``) and keeps its own event
@@ -63,6 +66,7 @@ CHANNEL = "events"
 # ``next`` link).
 PUBLISH_BATCH = 500
 PAGE_EVENTS = 1000
+CLOSE = {"action": "close"}
 
 
 @dataclass(frozen=True)
@@ -132,27 +136,32 @@ def _cipher() -> AESSIV:
     return AESSIV(key)
 
 
-def seal(credentials: tuple[str, str]) -> str:
+def seal(credentials: tuple[str, str], user_id: int) -> str:
     """Encrypt a stream's credentials (board.stream.Credentials: a token's digest, or a
-    session key) for its ``next`` link: Pushpin asks that link without the client's
-    headers, and logs its URL, so the link carries them, unreadable and unforgeable.
+    session key) and its user's id for its ``next`` link: Pushpin asks that link without
+    the client's headers, and logs its URL, so the link carries them, unreadable and
+    unforgeable. The user's id names the stream's user channel when it is held again.
 
     Deterministic (AES-SIV): every stream of one token gets the same link, and Pushpin,
     which recovers held streams ten links a second, recovers up to a hundred streams
     sharing a link at once, with one request to the board.
     """
-    sealed = _cipher().encrypt(json.dumps(list(credentials)).encode(), None)
+    sealed = _cipher().encrypt(json.dumps([*credentials, user_id]).encode(), None)
     return base64.urlsafe_b64encode(sealed).decode().rstrip("=")
 
 
-def unseal(sealed: str) -> tuple[str, str] | None:
-    """The credentials :func:`seal` encrypted, or None for anything else."""
+def unseal(sealed: str) -> tuple[tuple[str, str], int] | None:
+    """The credentials and user id :func:`seal` encrypted, or None for anything else (a
+    link sealed before streams had a user channel, too: that stream ends, and its client
+    resumes)."""
     try:
         raw = base64.urlsafe_b64decode(sealed + "=" * (-len(sealed) % 4))
-        kind, key = json.loads(_cipher().decrypt(raw, None))
+        kind, key, user_id = json.loads(_cipher().decrypt(raw, None))
     except (InvalidTag, ValueError, TypeError):
         return None
-    return str(kind), str(key)
+    if not isinstance(user_id, int) or isinstance(user_id, bool):
+        return None
+    return (str(kind), str(key)), user_id
 
 
 def recheck_seconds() -> int:
@@ -166,25 +175,36 @@ def queue_channel(queue: str) -> str:
     return f"queue-{queue}"
 
 
-def channels(prev_id: int, access: QueueAccess) -> list[Channel]:
-    """The channels of a held stream whose last event is ``prev_id``.
+def user_channel(user_id: int) -> str:
+    """The channel of a user's held streams, on which they are closed when the user's
+    credentials change (:func:`close_streams_of`)."""
+    return f"user-{user_id}"
 
-    Every stream follows ``events``. A stream limited to queues (board.access) has the
-    ``require-sub`` filter on it and a channel per allowed queue: Pushpin then sends it only
-    the events published with one of those as ``require_sub``, and still advances its last
-    id past the others, so that they are no gap.
+
+def channels(prev_id: int, access: QueueAccess, user_id: int) -> list[Channel]:
+    """The channels of a held stream of ``user_id`` whose last event is ``prev_id``.
+
+    Every stream follows ``events``, and its user's channel (:func:`user_channel`), on
+    which nothing but a close is ever published. A stream limited to queues
+    (board.access) has the ``require-sub`` filter on ``events`` and a channel per allowed
+    queue: Pushpin then sends it only the events published with one of those as
+    ``require_sub``, and still advances its last id past the others, so that they are no
+    gap.
     """
     events = Channel(CHANNEL, prev_id=str(prev_id))
+    user = Channel(user_channel(user_id))
     if not access.limited:
-        return [events]
+        return [events, user]
     events.filters.append("require-sub")
-    return [events, *(Channel(queue_channel(queue)) for queue in sorted(access.queues or ()))]
+    queues = [Channel(queue_channel(queue)) for queue in sorted(access.queues or ())]
+    return [events, user, *queues]
 
 
 def hold_headers(
     path: str,
     prev_id: int,
     credentials: tuple[str, str],
+    user_id: int,
     access: QueueAccess,
     *,
     hold: bool,
@@ -197,12 +217,12 @@ def hold_headers(
     :func:`recheck_seconds`. Not held (more to replay), Pushpin asks the ``next`` link at
     once and appends its answer.
     """
-    header = create_grip_channel_header(channels(prev_id, access))
+    header = create_grip_channel_header(channels(prev_id, access, user_id))
     headers = [(b"grip-channel", header.encode())]
     # The credentials go in the link's path, not its query: Pushpin shares one request of
     # a link among the streams that ask it at once, matching links by path and Grip-Last
     # only, so streams of different credentials must never have the same path.
-    link = f"{path}next/{seal(credentials)}/"
+    link = f"{path}next/{seal(credentials, user_id)}/"
     if hold:
         keepalive_seconds = max(1, math.ceil(keepalive))  # Pushpin counts whole seconds
         headers += [
@@ -274,6 +294,19 @@ class Publisher:
             self.prev = event.cursor.id
         self.last = (items[-1]["prev-id"], events[-1])
         self.pending.put_nowait(items)
+
+    def close_streams_of(self, user_id: int) -> None:
+        """End the user's held streams: their credentials changed (board.revocation).
+        Each client reconnects and resumes after its last event: refused (401) if revoked,
+        under its new queue limit if that changed.
+
+        Sent by every process, leading or not: each hears the change, and one left to the
+        leader alone would be lost with a leader that changes at that moment. A close sent
+        twice at most ends a stream that its client had just opened again, which then
+        resumes again.
+        """
+        item = {"channel": user_channel(user_id), "formats": {"http-stream": CLOSE}}
+        self.pending.put_nowait([item])
 
     def on_leadership(self, leading: bool) -> None:
         if leading and self.last is not None:
@@ -361,6 +394,14 @@ async def _start() -> None:
             await asyncio.sleep(DATABASE_RETRY_SECONDS)
     publisher = _publishers[asyncio.get_running_loop()] = Publisher(relay, grip)
     publisher.start()
+
+
+def close_streams_of(user_id: int) -> None:
+    """End ``user_id``'s streams held in Pushpin: their credentials changed."""
+    with contextlib.suppress(RuntimeError):  # no event loop: no publisher either
+        publisher = _publishers.get(asyncio.get_running_loop())
+        if publisher is not None:
+            publisher.close_streams_of(user_id)
 
 
 async def stop_publisher() -> None:

@@ -7,13 +7,13 @@ app), and each process's relay hears it (board.relay). Then:
   is looked up again instead of being trusted for up to TASKBOARD_TOKEN_CACHE_SECONDS;
 - this process's open streams are checked again now (board.stream), and those whose
   credentials are no longer valid end; the others take up their current queue limit;
-- streams held in Pushpin are not reached at once: their credentials are looked up again
-  (the cache above is emptied) when Pushpin next asks their ``next`` link, every
-  TASKBOARD_HELD_STREAM_RECHECK_SECONDS. Closing them at once through a per-user channel
-  was tried and taken out: with that second channel on every held stream, a CI run saw
-  300 of 500 streams behind Pushpin receive no event at all. The symptom came back
-  without it, from another cause since fixed (streams now open with their position: see
-  board.stream.preamble_of), which may have been this one's too.
+- behind Pushpin, every process publishes a close on the user's channel (board.grip),
+  which ends the user's held streams. Each client reconnects and resumes after its last
+  event: refused (401) if revoked, under its new queue limit if that changed. A valid
+  stream closed with the rest loses nothing. (The user's channel was tried once before
+  and taken out after a CI run saw 300 of 500 streams behind Pushpin receive no event;
+  the same symptom came back without it and had another cause, since fixed: streams now
+  open with their position, board.stream.preamble_of.)
 
 Each step also has a slower backstop that needs no notification: the cache's expiry, the
 periodic re-check of open streams, and Pushpin's re-check of held streams.
@@ -24,8 +24,10 @@ from __future__ import annotations
 
 def credentials_changed(user_id: int | None) -> None:
     """Relay listener: ``user_id``'s credentials changed (None: anyone's may have)."""
-    from board import stream
+    from board import grip, stream
     from board.api import authentication
 
     authentication.forget(user_id)
     stream.recheck_now()
+    if user_id is not None:
+        grip.close_streams_of(user_id)

@@ -346,7 +346,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         detail = "Invalid request: lastEventId: Give this parameter once."
         await send_response(send, error_response(400, "invalid", detail, fields=fields))
         return
-    _, access = authorized
+    user, access = authorized
     # Behind Pushpin, answer at once and let Pushpin hold the stream (board.grip).
     held = scope["method"] == "GET" and proxied
     try:
@@ -360,7 +360,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
             head = await on_database_thread(committed_head)
             after = head if relay.head is None or head > relay.head else None
         if held:
-            await hold(send, relay, after, credentials_of(headers), access, preamble=True)
+            await hold(send, relay, after, credentials_of(headers), user.pk, access, preamble=True)
             return
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
@@ -487,12 +487,12 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
     (``Grip-Last``) and held again. Otherwise it is not held again, and Pushpin ends it:
     the client's reconnection is then refused (401)."""
     query = next_link_query(scope) or {}
-    credentials = grip.unseal(query.get("auth", ""))
+    sealed = grip.unseal(query.get("auth", ""))
     try:
         access = None
-        if credentials is not None:
-            access = await on_database_thread(_still_allowed, credentials)
-        if credentials is None or access is None:
+        if sealed is not None:
+            access = await on_database_thread(_still_allowed, sealed[0])
+        if sealed is None or access is None:
             await send_response(send, HttpResponse(status=204))
             return
         relay = await get_relay()
@@ -501,7 +501,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
         if event_id is None and RESUME_ID.fullmatch(query.get("after", "")):
             event_id = int(query["after"])
         after = await relay.cursor_of(event_id) if event_id is not None else None
-        await hold(send, relay, after, credentials, access, preamble=False)
+        await hold(send, relay, after, *sealed, access, preamble=False)
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         # Pushpin asks again a little later.
         logger.warning("stream: database unavailable: %s", exc)
@@ -513,6 +513,7 @@ async def hold(
     relay: Relay,
     after: Cursor | None,
     credentials: Credentials,
+    user_id: int,
     access: QueueAccess,
     *,
     preamble: bool,
@@ -543,6 +544,7 @@ async def hold(
                     PATH,
                     position.id,
                     credentials,
+                    user_id,
                     access,
                     hold=not more,
                     keepalive=KEEPALIVE_SECONDS,

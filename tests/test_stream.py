@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import shutil
 import threading
 import time
@@ -559,28 +561,6 @@ def test_an_open_stream_ends_when_its_user_is_deactivated(
 
 
 @pytest.mark.usefixtures("quick_recheck")
-def test_an_open_stream_takes_up_a_changed_queue_limit(
-    server: LiveServer, watcher: dict[str, str], agent: Any
-) -> None:
-    from board.access import limit_queues
-
-    user = UserFactory._meta.model.objects.get(username="watcher")
-    with StreamCollector(stream_url(server), watcher) as stream:
-        transitions.create(actor=agent, title="before", queue="secret")
-        assert stream.get()["json"]["type"] == "created"
-        limit_queues(user, ["open"])
-        time.sleep(2.5)  # more than two re-checks
-
-        transitions.create(actor=agent, title="hidden now", queue="secret")
-        visible = transitions.create(actor=agent, title="still seen", queue="open")
-        [event] = stream.take(1)
-        assert stream.nothing_within(0.5)
-        assert not ended_within(stream, 0)
-
-    assert event["json"]["task_id"] == visible.id
-
-
-@pytest.mark.usefixtures("quick_recheck")
 def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServer) -> None:
     from django.contrib.sessions.models import Session
     from django.test import Client
@@ -596,14 +576,15 @@ def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServ
         assert ended_within(stream, 5), "the stream outlived its session"
 
 
-# How long a valid stream is seen to stay open before the change.
-SETTLED = 1.0
+# How long a valid stream is seen to stay open before the change. Pushpin asks a held
+# stream's next link about a second after it subscribes a channel (and the board then
+# checks the credentials again): a change made after this long is not caught by that.
+SETTLED = 2.5
 
 
 @pytest.fixture
 def direct_server() -> Iterator[LiveServer]:
-    """uvicorn alone: a stream held in Pushpin learns of a change of credentials only at
-    its next re-check (board.revocation says why), so these tests are of the direct path."""
+    """uvicorn alone, for what only a stream open in the server has."""
     with live_server() as running:
         yield running
 
@@ -618,9 +599,8 @@ def slow_recheck(settings: Any) -> None:
 
 @pytest.mark.usefixtures("slow_recheck")
 def test_a_rotated_token_ends_its_stream_at_once_and_is_refused_at_once(
-    direct_server: LiveServer,
+    server: LiveServer,
 ) -> None:
-    server = direct_server
     from access import tokens
 
     user = UserFactory(username="rotated")
@@ -641,9 +621,8 @@ def test_a_rotated_token_ends_its_stream_at_once_and_is_refused_at_once(
 
 @pytest.mark.usefixtures("slow_recheck")
 def test_a_deactivated_user_s_stream_ends_at_once(
-    direct_server: LiveServer, watcher: dict[str, str]
+    server: LiveServer, watcher: dict[str, str]
 ) -> None:
-    server = direct_server
     with StreamCollector(stream_url(server), watcher) as stream:
         assert not ended_within(stream, SETTLED), "a valid user keeps their stream"
         # A queryset update, as a script would do it: no signal, only the database knows.
@@ -664,8 +643,38 @@ def logged_in(username: str) -> tuple[Any, dict[str, str]]:
 
 
 @pytest.mark.usefixtures("slow_recheck")
-def test_a_logout_ends_the_session_s_stream_at_once(direct_server: LiveServer) -> None:
-    server = direct_server
+def test_a_changed_queue_limit_reaches_the_stream_at_once(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    """Open in the server, the stream takes the new limit up in place; held in Pushpin, it
+    is closed and its client resumes under the new limit. Either way the client sees no
+    event of a queue it lost, a second after the change."""
+    from board.access import limit_queues
+
+    user = UserFactory._meta.model.objects.get(username="watcher")
+    with StreamCollector(stream_url(server), watcher) as stream:
+        first = transitions.create(actor=agent, title="before", queue="secret")
+        seen = stream.get()
+        assert seen["json"]["task_id"] == first.id
+        assert not ended_within(stream, SETTLED)
+        limit_queues(user, ["open"])
+        time.sleep(1.5)
+        transitions.create(actor=agent, title="hidden now", queue="secret")
+        visible = transitions.create(actor=agent, title="still seen", queue="open")
+        if ended_within(stream, 0):
+            resumed = {**watcher, "Last-Event-ID": seen["id"]}
+            with StreamCollector(stream_url(server), resumed) as again:
+                [event] = again.take(1)
+                assert again.nothing_within(0.5)
+        else:
+            [event] = stream.take(1)
+            assert stream.nothing_within(0.5)
+
+    assert event["json"]["task_id"] == visible.id
+
+
+@pytest.mark.usefixtures("slow_recheck")
+def test_a_logout_ends_the_session_s_stream_at_once(server: LiveServer) -> None:
     browser, cookie = logged_in("leaving")
     with StreamCollector(stream_url(server), cookie) as stream:
         assert stream.status == 200
@@ -802,11 +811,22 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
             assert s.nothing_within(0.3)
     # A next link of the earlier form, its credentials in the query: behind Pushpin the
     # stream is ended (204; its client resumes), not answered for those credentials.
+    from access import tokens
     from board import grip
 
-    sealed = grip.seal(("token", "whatever"))
+    credentials = ["token", tokens.digest(watcher["Authorization"].split()[1])]
+    sealed = grip.seal(("token", credentials[1]), 1)
     with StreamCollector(stream_url(server), link="next", auth=sealed, after="0") as s:
         assert s.status == (204 if server.origin_url != server.url else 401)
+        assert s.nothing_within(0.3)
+    # A next link sealed before held streams had a user channel (no user id in it): the
+    # stream ends (204), and its client resumes into a stream that has one.
+    encrypted = grip._cipher().encrypt(json.dumps(credentials).encode(), None)
+    old = base64.urlsafe_b64encode(encrypted).decode().rstrip("=")
+    with StreamCollector(
+        f"{stream_url(server)}next/{old}/", {"Grip-Last": "events; last-id=0"}
+    ) as s:
+        assert s.status == (204 if server.origin_url != server.url else 404)
         assert s.nothing_within(0.3)
     for path in ("next/forged/", "next//", "next/forged"):
         with StreamCollector(
