@@ -211,7 +211,7 @@ def test_every_operation_states_the_refusals_every_endpoint_can_make() -> None:
         assert responses["429"]["headers"]["Retry-After"]["required"], operation_id
         assert responses["503"]["headers"]["Retry-After"]["required"], operation_id
         if "requestBody" in operation:
-            assert {"400", "413"} <= set(responses), operation_id
+            assert {"400", "413", "415"} <= set(responses), operation_id
         if any(p["in"] == "query" for p in operation.get("parameters", [])):
             assert "400" in responses, operation_id
         if method == "post":
@@ -220,6 +220,31 @@ def test_every_operation_states_the_refusals_every_endpoint_can_make() -> None:
             if int(status) >= 400:
                 schema = response["content"]["application/json"]["schema"]
                 assert resolve(schema)["required"][:2] in (["detail", "error"],), operation_id
+
+
+@pytest.mark.django_db
+def test_every_operation_that_takes_a_body_refuses_one_that_is_not_json_as_documented(
+    api: Any,
+) -> None:
+    """What the server answers to a body sent as text, on every operation with a body:
+    the documented 415, with nothing done."""
+    from board import transitions
+    from board.models import Task
+    from tests.factories import UserFactory
+
+    user = UserFactory(username="root", is_staff=True, is_superuser=True)
+    task = transitions.create(actor=user, title="aimed at")
+    client = api(user)
+    for operation_id, (path, method, operation) in OPERATIONS.items():
+        if "requestBody" not in operation:
+            continue
+        url = re.sub(r"\{(id|task_id)\}", str(task.pk), path).replace("{name}", "q")
+        assert "{" not in url, url
+        response = client.generic(method.upper(), url, "title=plain", content_type="text/plain")
+        assert response.status_code == 415, (operation_id, response.content)
+        assert "415" in operation["responses"], operation_id
+        assert response.json()["error"] == "unsupported_media_type", operation_id
+    assert list(Task.objects.values_list("pk", flat=True)) == [task.pk]
 
 
 def test_the_stream_is_a_sequence_of_events_whose_data_is_an_event() -> None:

@@ -399,6 +399,13 @@ def common_responses(operation: dict[str, Any], method: str) -> dict[str, Any]:
             "description": "The body is larger than 1 MiB.",
             "content": error_content(),
         }
+        responses["415"] = {
+            "description": (
+                "The body is not sent as JSON (a `Content-Type` other than "
+                "`application/json`: `unsupported_media_type`); nothing was done."
+            ),
+            "content": error_content(),
+        }
     return responses
 
 
