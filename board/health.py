@@ -28,7 +28,9 @@ from django.conf import settings
 from django.db import DatabaseError, connections
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
+from django.views.decorators.csrf import csrf_exempt
+
+from board.middleware import error_response
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +76,15 @@ def current_check(timeout: float) -> Check | None:
     return check
 
 
+@csrf_exempt  # nothing to protect; any other method gets the JSON 405 below, not CSRF's page
 @never_cache
-@require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
     """Return 200 ``{"status": "ok"}`` when the database answers in time, else 503."""
+    if request.method != "GET":
+        detail = f'Method "{request.method}" not allowed.'
+        refused = error_response(405, "method_not_allowed", detail)
+        refused["Allow"] = "GET"
+        return refused
     timeout = settings.TASKBOARD_HEALTH_TIMEOUT
     check = current_check(timeout)
     try:

@@ -212,3 +212,15 @@ def test_healthz_answers_ok_when_the_server_dropped_a_kept_connection(
         assert_health(client.get("/healthz"), 200, "ok")
     finally:
         default.close()
+
+
+@pytest.mark.parametrize("method", ["post", "put", "delete"])
+def test_healthz_refuses_other_methods_with_a_json_405(method: str) -> None:
+    """Not CSRF's HTML page (403): the contract's errors are JSON, and a health check has no
+    state to protect."""
+    client = Client(enforce_csrf_checks=True)
+    response = getattr(client, method)("/healthz", data="{}", content_type="application/json")
+    assert response.status_code == 405
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"] == "method_not_allowed"
+    assert response["Allow"] == "GET"
