@@ -12,7 +12,9 @@ from typing import Any
 from django.core.exceptions import DisallowedHost
 from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponsePermanentRedirect, JsonResponse
+from django.middleware import common
+from django.utils.http import escape_leading_slashes
 
 from board import conf
 from board.asgi_tools import read_body, replaying, send_response
@@ -69,6 +71,22 @@ def disallowed_host(scope: dict[str, Any]) -> HttpResponse | None:
 def is_database_outage(exc: BaseException) -> bool:
     """Tell a lost or refused database connection from a bug in a query."""
     return isinstance(exc, OperationalError | InterfaceError)
+
+
+class PermanentRedirectKeepingMethod(HttpResponsePermanentRedirect):
+    status_code = 308
+
+
+class CommonMiddleware(common.CommonMiddleware):
+    """Django's (the Host check, and a URL without its trailing slash sent to the one
+    with it), redirecting with 308 rather than 301: a client that follows it repeats its
+    POST, body and all, where after a 301 it would GET the URL (and Django in DEBUG
+    raises an error instead of answering a POST)."""
+
+    response_redirect_class = PermanentRedirectKeepingMethod
+
+    def get_full_path_with_slash(self, request: HttpRequest) -> str:
+        return escape_leading_slashes(request.get_full_path(force_append_slash=True))
 
 
 class BodySizeLimitMiddleware:

@@ -96,7 +96,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS
+    "board.middleware.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS; 308 to slash
     "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",

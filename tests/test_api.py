@@ -331,6 +331,23 @@ def test_it_refuses_a_body_that_is_not_json_with_415(agent_api: APIClient) -> No
     assert not Task.objects.exists()
 
 
+def test_a_url_without_its_trailing_slash_is_redirected_keeping_the_method(
+    agent_api: APIClient,
+) -> None:
+    """308, not 301: a client that follows it repeats the POST with its body (after a 301
+    it would GET the URL, and the task would never be created)."""
+    response = agent_api.post(f"{API}/tasks?x=1", {"title": "slashless"}, format="json")
+
+    assert response.status_code == 308
+    assert response["Location"] == f"{API}/tasks/?x=1"
+    assert not Task.objects.exists()
+    followed = agent_api.post(
+        f"{API}/tasks", {"title": "slashless"}, format="json", follow=True
+    )
+    assert followed.status_code == 201
+    assert Task.objects.get().title == "slashless"
+
+
 def test_it_refuses_a_non_numeric_content_length_with_a_json_400(agent_api: APIClient) -> None:
     response = agent_api.post(
         f"{API}/tasks/",
