@@ -1017,14 +1017,18 @@ class SSEParser:
     """The server-sent events line protocol (the WHATWG EventSource rules), line by line."""
 
     def __init__(self) -> None:
+        # The id to resume from: set when a block ends (its blank line), with or without
+        # data, never by a block cut off before its end, whose event was never received.
         self.last_id: str | None = None
         self.retry: float | None = None
+        self._id: str | None = None
         self._data: list[str] = []
         self._type = ""
 
     def feed(self, line: str) -> Event | None:
         """Take one line (without its end); return the Event it completes, if any."""
         if line == "":
+            self.last_id = self._id
             data, event_type = self._data, self._type or "message"
             self._data, self._type = [], ""
             if not data or event_type != "task_event":
@@ -1039,7 +1043,7 @@ class SSEParser:
         elif name == "event":
             self._type = value
         elif name == "id" and "\x00" not in value:
-            self.last_id = value
+            self._id = value
         elif name == "retry" and value.isdigit():
             self.retry = int(value) / 1000
         return None

@@ -1078,3 +1078,18 @@ def test_the_stream_reconnects_after_a_proxy_s_502(pauses: list[float]) -> None:
 
     assert (first.id, first.stream_id) == (5, "5")
     assert len(script.requests) == 2
+
+
+def test_the_stream_resumes_after_the_last_event_received_whole_not_one_cut_off() -> None:
+    """As EventSource: an ``id:`` counts once its block ends. A connection that drops after
+    an event's ``id:`` line and before its end must resume before that event, or the event
+    is never received."""
+    parser = client_module.SSEParser()
+    for line in ["retry: 1000", "id: 41", ": connected", ""]:
+        assert parser.feed(line) is None
+    assert parser.last_id == "41"
+
+    parser.feed("id: 42")
+    parser.feed("event: task_event")
+    # The connection drops here: the client resumes with the id it has.
+    assert parser.last_id == "41"
