@@ -341,9 +341,7 @@ def test_a_url_without_its_trailing_slash_is_redirected_keeping_the_method(
     assert response.status_code == 308
     assert response["Location"] == f"{API}/tasks/?x=1"
     assert not Task.objects.exists()
-    followed = agent_api.post(
-        f"{API}/tasks", {"title": "slashless"}, format="json", follow=True
-    )
+    followed = agent_api.post(f"{API}/tasks", {"title": "slashless"}, format="json", follow=True)
     assert followed.status_code == 201
     assert Task.objects.get().title == "slashless"
 
