@@ -6,12 +6,13 @@ event exactly once, in order, after resuming with Last-Event-ID as EventSource d
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -85,25 +86,54 @@ class Client:
             self.attempts.append(status.decode(errors="replace").strip() or "closed")
             if b" 200 " not in status:
                 return
-            # The response is read raw, chunked: an id is an event's if data follows it
-            # before the next id.
-            pending: str | None = None
-            while not stop.is_set():
-                line = await reader.readline()
-                if not line:
+            chunked = False
+            while (header := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = header.decode("latin-1").partition(":")
+                if name.strip().lower() == "transfer-encoding":
+                    chunked = "chunked" in value.lower()
+            # The body is decoded (its chunks may end anywhere, also inside a line), then
+            # read by the EventSource rules: an event is dispatched at the blank line that
+            # ends it, and only then does its id become the one to resume from; a block cut
+            # off before its blank line is dropped, id and all.
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            text = ""
+            id_buffer, has_data = self.last_id, False
+            async for piece in body_of(reader, chunked):
+                text += decoder.decode(piece)
+                *lines, text = text.split("\n")
+                for line in lines:
+                    line = line.removesuffix("\r")
+                    if line == "":
+                        self.last_id = id_buffer
+                        if has_data and id_buffer is not None:
+                            self.ids.append(int(id_buffer))
+                        has_data = False
+                    elif line.startswith(": connected"):
+                        self.connected.set()
+                    elif line.startswith("id:"):
+                        id_buffer = line.removeprefix("id:").strip()
+                    elif line.startswith("data:"):
+                        has_data = True
+                if stop.is_set():
                     return
-                text = line.decode().rstrip("\r\n")
-                if text.startswith(": connected"):
-                    self.connected.set()
-                elif text.startswith("id: "):
-                    pending = self.last_id = text[4:]
-                elif text.startswith("data: ") and pending is not None:
-                    self.ids.append(int(pending))
-                    pending = None
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+async def body_of(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[bytes]:
+    """The bytes of a response's body as they arrive, its chunked encoding taken off."""
+    if not chunked:
+        while piece := await reader.read(65536):
+            yield piece
+        return
+    while size_line := await reader.readline():
+        size = int(size_line.split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)  # the CRLF after the chunk
 
 
 @pytest.fixture
@@ -187,7 +217,10 @@ def assert_every_client_got_every_event_once_in_order(
     assert not wrong, (
         f"{len(wrong)} of {len(clients)} clients differ; first: {wrong[0].ids[:5]}... "
         f"({len(wrong[0].ids)} ids, attempts {wrong[0].attempts[-6:]}) against "
-        f"{expected[:5]}... ({len(expected)})"
+        f"{expected[:5]}... ({len(expected)}); missing "
+        f"{sorted(set(expected) - set(wrong[0].ids))}, extra "
+        f"{sorted(set(wrong[0].ids) - set(expected))}; clients' missing ids: "
+        f"{sorted({i for c in wrong for i in set(expected) - set(c.ids)})[:20]}"
     )
 
 
