@@ -312,11 +312,15 @@ class Publisher:
         if leading and self.last is not None:
             self.pending.put_nowait([_item(*self.last)])
         elif not leading:
-            # Another process publishes from now on; what is queued here may be sent
-            # twice otherwise. (Sent twice it would not be delivered twice: Pushpin
-            # drops a message whose prev-id is not a connection's last id.)
+            # Another process publishes events from now on; what is queued here may be
+            # sent twice otherwise. (Sent twice it would not be delivered twice: Pushpin
+            # drops a message whose prev-id is not a connection's last id.) Closes stay:
+            # every process sends its own, leading or not.
+            closes = []
             while not self.pending.empty():
-                self.pending.get_nowait()
+                closes += [i for i in self.pending.get_nowait() if i["channel"] != CHANNEL]
+            if closes:
+                self.pending.put_nowait(closes)
 
     async def _run(self) -> None:
         while True:

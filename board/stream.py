@@ -43,6 +43,7 @@ from django.http import HttpResponse
 from access import throttle
 from board import grip
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
+from board.api import authentication
 from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.middleware import database_unavailable, disallowed_host, error_response
 from board.models import QueueLimit
@@ -325,6 +326,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         return
     client = scope.get("client")
     address = str(client[0]) if client else ""
+    generation = authentication.generation()
     try:
         authorized = await on_database_thread(authorize, headers, address)
     except throttle.Throttled as exc:
@@ -360,7 +362,16 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
             head = await on_database_thread(committed_head)
             after = head if relay.head is None or head > relay.head else None
         if held:
-            await hold(send, relay, after, credentials_of(headers), user.pk, access, preamble=True)
+            await hold(
+                send,
+                relay,
+                after,
+                credentials_of(headers),
+                user.pk,
+                access,
+                preamble=True,
+                generation=generation,
+            )
             return
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         logger.warning("stream: database unavailable: %s", exc)
@@ -472,10 +483,12 @@ def _still_allowed(credentials: Credentials) -> QueueAccess | None:
     checked = _rechecked.get(credentials)
     if checked is not None and now - checked[0] < settings.TASKBOARD_TOKEN_CACHE_SECONDS:
         return checked[1]
+    started = authentication.generation()
     access = reauthorize({credentials}, close=False).get(credentials)
     if len(_rechecked) >= 10_000:
         _rechecked.clear()
-    _rechecked[credentials] = (now, access)
+    if authentication.generation() == started:  # else it may predate a revocation
+        _rechecked[credentials] = (now, access)
     return access
 
 
@@ -488,6 +501,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
     the client's reconnection is then refused (401)."""
     query = next_link_query(scope) or {}
     sealed = grip.unseal(query.get("auth", ""))
+    generation = authentication.generation()
     try:
         access = None
         if sealed is not None:
@@ -501,7 +515,7 @@ async def next_link(scope: Scope, headers: dict[str, str], send: Send) -> None:
         if event_id is None and RESUME_ID.fullmatch(query.get("after", "")):
             event_id = int(query["after"])
         after = await relay.cursor_of(event_id) if event_id is not None else None
-        await hold(send, relay, after, *sealed, access, preamble=False)
+        await hold(send, relay, after, *sealed, access, preamble=False, generation=generation)
     except (DatabaseError, TimeoutError, OSError, psycopg.Error) as exc:
         # Pushpin asks again a little later.
         logger.warning("stream: database unavailable: %s", exc)
@@ -517,10 +531,18 @@ async def hold(
     access: QueueAccess,
     *,
     preamble: bool,
+    generation: int,
 ) -> None:
     """Answer a stream request from Pushpin: what the client missed after ``after`` (at
     most a page; Pushpin asks for the rest), then GRIP instructions to hold the stream on
-    the events published after the last one sent (board.grip)."""
+    the events published after the last one sent (board.grip).
+
+    ``generation`` is authentication.generation() from before the credentials were
+    checked. If credentials changed since (anyone's), the close that board.revocation
+    published may have reached Pushpin before this answer subscribes the user's channel:
+    the stream is not held then. A new stream ends after what it was sent, and its client
+    resumes; a held one (its next link) is ended (204) and resumes. Either way the
+    credentials are looked up again."""
     upto = relay.head
     assert upto is not None
     position = after if after is not None else upto
@@ -534,6 +556,13 @@ async def hold(
             if sent >= grip.PAGE_EVENTS:
                 break
     more = position < upto
+    if authentication.generation() != generation:
+        if not preamble:
+            await send_response(send, HttpResponse(status=204))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+        await send({"type": "http.response.body", "body": b"".join(chunks)})
+        return
     await send(
         {
             "type": "http.response.start",

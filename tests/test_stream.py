@@ -1288,3 +1288,98 @@ def test_a_relay_ends_a_silent_session_even_if_its_first_attempt_fails(
     monkeypatch.setattr(relay_module.Relay, "_execute", flaky_execute)
     leader_silenced_and_leading_again(monkeypatch, timeout=30)
     assert failed, "the first attempt to end the silent session was not made to fail"
+
+
+def test_a_recheck_that_a_change_of_credentials_overtakes_is_not_remembered(
+    monkeypatch: pytest.MonkeyPatch, watcher: dict[str, str]
+) -> None:
+    """As the API's token cache: a held stream's re-check (its next link) that read the
+    credentials before a revocation and ended after the process heard of it is not kept
+    for the next re-checks."""
+    from access import tokens
+    from board.api import authentication
+
+    credentials = ("token", tokens.digest(watcher["Authorization"].split()[1]))
+    looked_up = stream_module.reauthorize
+
+    def overtaken(*args: Any, **kwargs: Any) -> Any:
+        found = looked_up(*args, **kwargs)
+        authentication.forget(None)
+        return found
+
+    monkeypatch.setattr(stream_module, "reauthorize", overtaken)
+    stream_module._rechecked.clear()
+    assert stream_module._still_allowed(credentials) is not None
+    assert credentials not in stream_module._rechecked
+
+
+def test_a_stream_answered_across_a_change_of_credentials_is_not_held(
+    watcher: dict[str, str],
+) -> None:
+    """The close that a change of credentials publishes (board.revocation) may reach
+    Pushpin before an answer that was being made meanwhile subscribes the user's channel:
+    such an answer does not hold the stream. A new stream is sent what it was due and
+    ends, a held one (its next link) is ended; each client resumes and is checked again."""
+    from board.api import authentication
+
+    class Head:
+        head = relay_module.Cursor(1, 5)
+
+    def answer(preamble: bool, generation: int) -> list[Any]:
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        asyncio.run(
+            stream_module.hold(
+                send,
+                Head(),  # type: ignore[arg-type]
+                None,
+                ("token", "digest"),
+                1,
+                stream_module.EVERY_QUEUE,
+                preamble=preamble,
+                generation=generation,
+            )
+        )
+        return sent
+
+    now = authentication.generation()
+    held = dict(answer(preamble=True, generation=now)[0]["headers"])
+    assert held[b"grip-hold"] == b"stream"
+
+    authentication.forget(None)
+    start, body = answer(preamble=True, generation=now)
+    assert start["status"] == 200
+    assert b"grip-hold" not in dict(start["headers"])
+    assert b"id: 5" in body["body"]
+    assert answer(preamble=False, generation=now)[0]["status"] == 204
+
+
+def test_a_publisher_losing_the_lead_keeps_the_closes_it_has_queued() -> None:
+    """Events queued by a publisher that loses the lead are the new leader's to send; a
+    close on a user's channel is every process's, and is still sent."""
+    from board import grip
+
+    class Relay:
+        head = relay_module.Cursor(1, 5)
+        leading = True
+
+    publisher = grip.Publisher(Relay(), None)  # type: ignore[arg-type]
+    event = relay_module.StreamEvent(
+        cursor=relay_module.Cursor(2, 6),
+        task_id=1,
+        type="created",
+        status="pending",
+        queue="default",
+        run_after=None,
+        leased_until=None,
+        source=b"id: 6\n\n",
+    )
+    publisher.on_events([event])
+    publisher.close_streams_of(7)
+    publisher.on_leadership(False)
+
+    [queued] = [publisher.pending.get_nowait() for _ in range(publisher.pending.qsize())]
+    assert [item["channel"] for item in queued] == [grip.user_channel(7)]

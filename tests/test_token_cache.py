@@ -63,3 +63,28 @@ def test_the_cache_keeps_no_plain_token() -> None:
 
     assert list(authentication._token_cache) == [tokens.digest(token.key)]
     assert token.key not in repr(authentication._token_cache)
+
+
+def test_a_lookup_that_a_change_of_credentials_overtakes_is_not_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup may read the token before a revocation commits and finish after the
+    process heard of it (board.revocation): remembered, it would vouch for the revoked
+    token for TASKBOARD_TOKEN_CACHE_SECONDS, and a stream held again in Pushpin with it
+    for TASKBOARD_HELD_STREAM_RECHECK_SECONDS."""
+    user = UserFactory(username="overtaken")
+    key = TokenFactory(user=user).key
+    looked_up = tokens.user_for
+
+    def overtaken(token_key: str) -> Any:
+        found = looked_up(token_key)  # read before the change...
+        authentication.forget(user.pk)  # ...heard of before the lookup ends
+        return found
+
+    monkeypatch.setattr(tokens, "user_for", overtaken)
+    authentication.BearerTokenAuthentication().authenticate_credentials(key)
+
+    assert authentication.cached_user(tokens.digest(key)) is None
+    monkeypatch.setattr(tokens, "user_for", looked_up)
+    authentication.BearerTokenAuthentication().authenticate_credentials(key)
+    assert authentication.cached_user(tokens.digest(key)) == user

@@ -48,13 +48,17 @@ class BearerTokenAuthentication(BaseAuthentication):
         cached = _cached(digest)
         if cached is not None:
             return cached
+        started = _generation
         found = tokens.user_for(key)
         if found is None:
             raise exceptions.AuthenticationFailed("Invalid token.")
         user, token = found
         if not user.is_active:
             raise exceptions.AuthenticationFailed("User inactive or deleted.")
-        remember(digest, user, token)
+        if _generation == started:
+            # Not when credentials changed during the lookup: it may have read the database
+            # before the change committed, and would vouch for a revoked token.
+            remember(digest, user, token)
         return user, token
 
     def authenticate_header(self, request: Request) -> str:
@@ -85,9 +89,17 @@ def remember(digest: str, user: Any, token: Any = None) -> None:
         _token_cache[digest] = (user, token, time.monotonic() + ttl)
 
 
+def generation() -> int:
+    """How many changes of credentials this process has heard of (:func:`forget`): a
+    lookup made while this changed may predate the change, and is not to be kept."""
+    return _generation
+
+
 def forget(user_id: int | None) -> None:
     """Drop the cached lookups of ``user_id``'s token (None: every one): their credentials
     changed (board.revocation)."""
+    global _generation
+    _generation += 1
     if user_id is None:
         _token_cache.clear()
         return
@@ -96,6 +108,7 @@ def forget(user_id: int | None) -> None:
             _token_cache.pop(digest, None)
 
 
+_generation = 0
 _TOKEN_CACHE_SIZE = 10_000
 # SHA-256 digest of the token -> (user, token, monotonic expiry). Dict reads and writes are
 # atomic under the GIL; two threads missing at once both query and store the same answer.
