@@ -21,6 +21,7 @@ import pytest
 from django.db import connection
 
 from board import transitions
+from taskboard.client import SSEParser
 from tests import processes
 from tests.factories import UserFactory
 from tests.processes import ServeProcess, eventually, free_port
@@ -92,28 +93,24 @@ class Client:
                 if name.strip().lower() == "transfer-encoding":
                     chunked = "chunked" in value.lower()
             # The body is decoded (its chunks may end anywhere, also inside a line), then
-            # read by the EventSource rules: an event is dispatched at the blank line that
-            # ends it, and only then does its id become the one to resume from; a block cut
-            # off before its blank line is dropped, id and all.
+            # read by taskboard.client's parser (the EventSource rules: an event counts at
+            # the blank line that ends it, and only then does its id become the one to
+            # resume from; a block cut off before its end is dropped, id and all).
             decoder = codecs.getincrementaldecoder("utf-8")()
+            parser = SSEParser()
             text = ""
-            id_buffer, has_data = self.last_id, False
             async for piece in body_of(reader, chunked):
                 text += decoder.decode(piece)
                 *lines, text = text.split("\n")
                 for line in lines:
                     line = line.removesuffix("\r")
-                    if line == "":
-                        self.last_id = id_buffer
-                        if has_data and id_buffer is not None:
-                            self.ids.append(int(id_buffer))
-                        has_data = False
-                    elif line.startswith(": connected"):
+                    if line.startswith(": connected"):
                         self.connected.set()
-                    elif line.startswith("id:"):
-                        id_buffer = line.removeprefix("id:").strip()
-                    elif line.startswith("data:"):
-                        has_data = True
+                    event = parser.feed(line)
+                    if parser.last_id is not None:
+                        self.last_id = parser.last_id
+                    if event is not None:
+                        self.ids.append(event.id)
                 if stop.is_set():
                     return
         finally:
