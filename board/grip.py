@@ -67,6 +67,8 @@ CHANNEL = "events"
 PUBLISH_BATCH = 500
 PAGE_EVENTS = 1000
 CLOSE = {"action": "close"}
+# A publish that fails is tried again after this long, doubling up to the second figure.
+RETRY_SECONDS = (0.5, 30.0)
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,12 @@ class Publisher:
         self.pending: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
+        # What a failed publish left to send again (_again): whether events were lost,
+        # and each close with when it first failed.
+        self._events_lost = False
+        self._closes_failed: dict[str, float] = {}
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = RETRY_SECONDS[0]
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=10)
@@ -271,6 +279,8 @@ class Publisher:
     async def stop(self) -> None:
         self.relay.listeners.discard(self.on_events)
         self.relay.leadership_listeners.discard(self.on_leadership)
+        if self._retry is not None:
+            self._retry.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -328,13 +338,56 @@ class Publisher:
             while not self.pending.empty() and len(items) < PUBLISH_BATCH:
                 items += self.pending.get_nowait()
             try:
-                await self._publish(items)
+                sent = await self._publish(items)
             except Exception:
-                # This process holds the lead: it must go on publishing whatever one batch
-                # did. The streams that missed the batch are recovered by the next one.
-                logger.exception("grip: publishing %d events failed", len(items))
+                logger.exception("grip: publishing %d items failed", len(items))
+                sent = False
+            self._published(items, sent)
 
-    async def _publish(self, items: list[dict[str, Any]]) -> None:
+    def _published(self, items: list[dict[str, Any]], sent: bool) -> None:
+        """Note what a publish did, and send again later what it failed to send.
+
+        Events: the latest event is sent again, once the publish endpoint answers. A
+        stream whose last id is older then sees the gap and is recovered through its
+        ``next`` link; without it, a quiet board left such a stream without the lost events
+        until its re-check. Closes: each is sent again until it goes through, for as long
+        as it can matter; after :func:`recheck_seconds` every held stream has had its
+        credentials checked again anyway.
+        """
+        events = any(item["channel"] == CHANNEL for item in items)
+        closes = [item["channel"] for item in items if item["channel"] != CHANNEL]
+        if sent:
+            self._retry_delay = RETRY_SECONDS[0]
+            self._events_lost = self._events_lost and not events
+            for channel in closes:
+                self._closes_failed.pop(channel, None)
+            return
+        now = time.monotonic()
+        self._events_lost = self._events_lost or events
+        for channel in closes:
+            self._closes_failed.setdefault(channel, now)
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(self._retry_delay, self._again)
+            self._retry_delay = min(self._retry_delay * 2, RETRY_SECONDS[1])
+
+    def _again(self) -> None:
+        """Queue again what failed to publish (:meth:`_published`)."""
+        self._retry = None
+        items = []
+        if self._events_lost and self.relay.leading and self.last is not None:
+            items.append(_item(*self.last))
+        self._events_lost = False  # sent again now, or no longer this process's to send
+        given_up = time.monotonic() - recheck_seconds()
+        for channel, failed_at in list(self._closes_failed.items()):
+            if failed_at < given_up:
+                del self._closes_failed[channel]
+            else:
+                items.append({"channel": channel, "formats": {"http-stream": CLOSE}})
+        if items:
+            self.pending.put_nowait(items)
+
+    async def _publish(self, items: list[dict[str, Any]]) -> bool:
+        """Send ``items`` to Pushpin; whether it took them."""
         assert self._client is not None
         headers = {}
         if self.grip.publish_key:
@@ -348,10 +401,11 @@ class Publisher:
             )
             response.raise_for_status()
         except httpx.HTTPError as exc:
-            # Pushpin is down or restarting: its connections are gone with it, and their
-            # clients resume with Last-Event-ID. A lost publish otherwise is recovered by
-            # the next one (its prev-id does not match).
-            logger.warning("grip: could not publish %d events: %s", len(items), exc)
+            # Pushpin is down or restarting (its connections are gone with it, and their
+            # clients resume with Last-Event-ID), or failed to take them: sent again later.
+            logger.warning("grip: could not publish %d items: %s", len(items), exc)
+            return False
+        return True
 
 
 def _item(prev_id: int | str, event: StreamEvent) -> dict[str, Any]:

@@ -1383,3 +1383,51 @@ def test_a_publisher_losing_the_lead_keeps_the_closes_it_has_queued() -> None:
 
     [queued] = [publisher.pending.get_nowait() for _ in range(publisher.pending.qsize())]
     assert [item["channel"] for item in queued] == [grip.user_channel(7)]
+
+
+def test_a_publish_that_fails_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pushpin failing to take a publish loses neither a close nor the news of an event:
+    the close is sent again until it goes through, and so is the latest event (from which
+    a stream that missed the lost ones recovers them through its next link)."""
+    from board import grip
+    from tests.receivers import WebhookReceiver
+
+    monkeypatch.setattr(grip, "RETRY_SECONDS", (0.2, 0.4))
+
+    class Relay:
+        head = relay_module.Cursor(1, 5)
+        leading = True
+        listeners: set[Any] = set()
+        leadership_listeners: set[Any] = set()
+
+    def event(n: int) -> relay_module.StreamEvent:
+        return relay_module.StreamEvent(
+            relay_module.Cursor(2, n), 1, "created", "pending", "q", None, None, b"id: %d\n\n" % n
+        )
+
+    def items(received: Any) -> list[tuple[str, str | None]]:
+        return [(i["channel"], i.get("id")) for i in received.json["items"]]
+
+    async def run(receiver: WebhookReceiver) -> None:
+        publisher = grip.Publisher(
+            Relay(),  # type: ignore[arg-type]
+            grip.Grip(receiver.url, None, None, None, None),
+        )
+        publisher.start()
+        try:
+            publisher.on_events([event(6)])
+            publisher.close_streams_of(7)
+            deadline = time.monotonic() + 10
+            while len(receiver.accepted()) < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # nothing more is sent once it went through
+        finally:
+            await publisher.stop()
+
+    with WebhookReceiver(500, 503, then=200) as receiver:
+        asyncio.run(run(receiver))
+    first, second, third = receiver.received
+    assert [first.answer, second.answer, third.answer] == [500, 503, 200]
+    assert set(items(first)) == {("events", "6"), ("user-7", None)}
+    assert set(items(third)) == set(items(first))
+    assert third.at - second.at > 0.3  # backing off
