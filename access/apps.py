@@ -23,7 +23,7 @@ class AccessConfig(AppConfig):
 
 def announce_logout(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
     """A logout changes the user's credentials: announce it as the database announces the
-    others (migration board 0014, board.revocation), so that the streams that the ended
+    others (migrations board 0014 and 0015, board.revocation), so that the streams that the ended
     session opened end now rather than at their next re-check."""
     if user is None or user.pk is None:
         return
@@ -34,4 +34,4 @@ def announce_logout(sender: Any, request: Any, user: Any, **kwargs: Any) -> None
     if session is not None:
         session.flush()
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_notify('credentials_changed', %s)", [str(user.pk)])
+        cursor.execute("SELECT announce_credentials_changed(%s)", [user.pk])

@@ -289,8 +289,11 @@ class Relay:
         # one may have come while the connection was down.
         self.delivery_listeners: set[Callable[[], None]] = set()
         # Called with a user's id when their token, queue limit, password or status changed;
-        # with None after each (re)connect, since one may have changed meanwhile.
+        # after each reconnect, with None (anyone's may have changed meanwhile) and then
+        # with each user whose changes were counted meanwhile (migration 0015).
         self.credential_listeners: set[Callable[[int | None], None]] = set()
+        # Each user's count of changes, as read when the relay last connected.
+        self.credential_changes: dict[int, int] | None = None
         # Called with a client address that failed to authenticate; with None on each
         # (re)connect, since some may have failed while the connection was down.
         self.auth_failure_listeners: set[Callable[[str | None], None]] = set()
@@ -381,6 +384,8 @@ class Relay:
             await self._execute(conn, f"LISTEN {DELIVERY_CHANNEL}")
             await self._execute(conn, f"LISTEN {CREDENTIALS_CHANNEL}")
             await self._execute(conn, f"LISTEN {AUTH_FAILURE_CHANNEL}")
+            cur = await self._execute(conn, QUERIES["credential_changes"])
+            changes = {row["user_id"]: row["changes"] for row in await cur.fetchall()}
             if self.head is None:
                 cur = await self._execute(conn, QUERIES["stream_horizon"])
                 horizon = await cur.fetchone()
@@ -401,6 +406,11 @@ class Relay:
             self._deliveries_made()
             if self.reconnects:
                 self._credentials_changed("")
+                before = self.credential_changes or {}
+                for user_id, count in changes.items():
+                    if before.get(user_id) != count:
+                        self._credentials_changed(str(user_id))
+            self.credential_changes = changes
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
             idle_until = time.monotonic() + self.IDLE_READ_SECONDS
             while True:

@@ -686,6 +686,42 @@ def test_a_logout_ends_the_session_s_stream_at_once(server: LiveServer) -> None:
         assert again.status == 401
 
 
+@pytest.mark.usefixtures("slow_recheck")
+def test_a_change_made_while_the_relay_was_cut_off_ends_the_stream_once_it_listens_again(
+    server: LiveServer,
+) -> None:
+    """The change's notification is lost (nobody in the process is listening): the relay
+    learns whose credentials changed meanwhile from their counts (migration 0015) when it
+    connects again, and the user's streams end then, held in Pushpin too."""
+    from access import tokens
+
+    user = UserFactory(username="rotated-in-the-dark")
+    headers = {"Authorization": f"Bearer {TokenFactory(user=user).key}"}
+    relay = relay_of(server)
+    with StreamCollector(stream_url(server), headers) as stream:
+        assert stream.status == 200
+        assert not ended_within(stream, SETTLED), "a valid token keeps its stream"
+
+        # Cut the relay off, and keep it from reconnecting until the change is made.
+        conninfo, cut_off = relay.conninfo, relay.backend_pid
+        relay.conninfo = "host=127.0.0.1 port=1 connect_timeout=1"
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
+        deadline = time.monotonic() + 5
+        while relay.connected.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tokens.issue(user)
+        relay.conninfo = conninfo
+        while not (relay.connected.is_set() and relay.backend_pid != cut_off):
+            assert time.monotonic() < deadline + 10, "the relay did not reconnect"
+            time.sleep(0.02)
+
+        assert ended_within(stream, 3), "the stream outlived its token"
+    with StreamCollector(stream_url(server), headers) as again:
+        assert again.status == 401
+
+
 def test_a_logout_ends_the_session_before_it_is_announced() -> None:
     """The announcement wakes the re-check of the session's streams: by then the session
     must be gone, or the re-check finds it and keeps the stream (Django sends

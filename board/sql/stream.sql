@@ -88,3 +88,9 @@ SELECT EXISTS (
 -- name: stream_cursor_of
 -- The cursor of one event, to resume a stream from an event id.
 SELECT txid::text AS txid, id FROM task_events WHERE id = %(id)s;
+
+-- name: credential_changes
+-- How many changes of credentials each user has had (migration 0015): a relay that
+-- connects again compares them with what it read before, to learn whose changed while it
+-- could not hear the notifications.
+SELECT user_id, changes FROM credential_changes;
