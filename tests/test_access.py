@@ -5,6 +5,7 @@ the other tasks are in "theirs"."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -586,3 +587,53 @@ def test_a_limited_waiting_claim_for_another_queue_is_refused_at_once(
     assert response.status_code == 403
     assert response.json()["error"] == "forbidden_queue"
     assert answered_at - started < 10
+
+
+@live
+def test_a_permission_given_or_taken_applies_at_once(
+    server: LiveServer, make_task: Callable[..., Any], agent: Any, settings: Any
+) -> None:
+    """What a staff user may do changes at once in a process that remembers their token's
+    lookup (TASKBOARD_TOKEN_CACHE_SECONDS), as a revoked token does: the database announces
+    a permission or group given or taken, and staff status (migration 0015)."""
+    from django.contrib.auth.models import Group, Permission
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 60
+    human = StaffFactory(username="ops-promoted")
+    headers = headers_of(human)
+    triage = Permission.objects.get(codename="triage_task")
+
+    queues = (f"q{n}" for n in itertools.count())
+
+    def requeue_status() -> int:
+        task = make_task(queue=next(queues))
+        escalate(task, agent)
+        response = httpx.post(
+            f"{server.url}{API}/tasks/{task.pk}/requeue/", json={}, headers=headers
+        )
+        return response.status_code
+
+    def becomes(expected: int, what: str) -> None:
+        deadline = time.monotonic() + 3
+        while (status := requeue_status()) != expected:
+            assert time.monotonic() < deadline, f"{what}: still {status}"
+            time.sleep(0.1)
+
+    assert requeue_status() == 403  # and the lookup is remembered
+    human.user_permissions.add(triage)
+    becomes(200, "the permission given")
+    human.user_permissions.remove(triage)
+    becomes(403, "the permission taken")
+
+    group = Group.objects.create(name="triagers")
+    human.groups.add(group)
+    assert requeue_status() == 403
+    group.permissions.add(triage)
+    becomes(200, "the permission given to their group")
+    group.permissions.remove(triage)
+    becomes(403, "the permission taken from their group")
+
+    type(human).objects.filter(pk=human.pk).update(is_superuser=True)
+    becomes(200, "made superuser")
+    type(human).objects.filter(pk=human.pk).update(is_staff=False, is_superuser=False)
+    becomes(403, "no longer staff")
