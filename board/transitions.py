@@ -250,6 +250,7 @@ def create(
     With ``depends_on`` (ids of existing, older tasks) the task stays blocked until they
     are all done. ``max_attempt_seconds`` defaults to TASKBOARD_MAX_ATTEMPT_SECONDS.
     """
+    attempt = {} if max_attempt_seconds is None else {"max_attempt_seconds": max_attempt_seconds}
     task, _ = create_once(
         actor=actor,
         idempotency_key=None,
@@ -262,7 +263,7 @@ def create(
         run_after=run_after,
         depends_on=depends_on,
         parent_id=parent_id,
-        max_attempt_seconds=max_attempt_seconds,
+        **attempt,
     )
     return task
 
@@ -275,6 +276,9 @@ def fingerprint(fields: dict[str, Any]) -> str:
 
 def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> tuple[Task, bool]:
     """Create a task unless ``actor`` already created one with ``idempotency_key``.
+
+    Fields left out get their defaults; ``max_attempt_seconds`` left out gets
+    TASKBOARD_MAX_ATTEMPT_SECONDS, and given as None means no limit.
 
     Return the task and whether this call created it. A key repeated with the same fields
     returns the task its first use created, as it is now; with other fields it raises
@@ -289,14 +293,12 @@ def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> 
         "max_failures": None,
         "run_after": None,
         "parent_id": None,
-        "max_attempt_seconds": None,
+        "max_attempt_seconds": conf.max_attempt_seconds(),
         **fields,
     }
     fields["payload"] = fields["payload"] if fields["payload"] is not None else {}
     if fields["max_failures"] is None:
         fields["max_failures"] = conf.max_failures()
-    if fields["max_attempt_seconds"] is None:
-        fields["max_attempt_seconds"] = conf.max_attempt_seconds()
     fields["depends_on"] = sorted(set(fields.get("depends_on") or ()))
     username = _username(actor)
     digest = fingerprint(fields) if idempotency_key is not None else None

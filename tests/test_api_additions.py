@@ -161,6 +161,8 @@ def test_the_default_attempt_limit_comes_from_the_setting(
     settings.TASKBOARD_MAX_ATTEMPT_SECONDS = 900
     assert create(agent_api)["max_attempt_seconds"] == 900
     assert create(agent_api, max_attempt_seconds=5)["max_attempt_seconds"] == 5
+    # An explicit null opts out of the server's limit.
+    assert create(agent_api, max_attempt_seconds=None)["max_attempt_seconds"] is None
     for bad in (0, 604_801, "60"):
         assert_error(post(agent_api, "tasks/", {"title": "x", "max_attempt_seconds": bad}), 400)
 

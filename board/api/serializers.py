@@ -400,15 +400,16 @@ class TaskCreateSerializer(serializers.Serializer[Any]):
         default=None,
         help_text="An existing task that this one is a subtask of.",
     )
+    # No default here: left out, the server's default applies (transitions.create_once);
+    # null, no limit.
     max_attempt_seconds = StrictIntegerField(
         required=False,
         allow_null=True,
-        default=None,
         min_value=1,
         max_value=MAX_ATTEMPT_SECONDS,
         help_text=(
-            "How long one attempt may hold the task, however often it heartbeats "
-            "(default: TASKBOARD_MAX_ATTEMPT_SECONDS, unset = no limit)."
+            "How long one attempt may hold the task, however often it heartbeats. "
+            "Left out: TASKBOARD_MAX_ATTEMPT_SECONDS (unset: no limit); null: no limit."
         ),
     )
 
