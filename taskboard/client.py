@@ -1069,7 +1069,9 @@ class Lease:
 
     Finish with :meth:`complete`, :meth:`fail`, :meth:`release` or :meth:`escalate`, which
     stop the heartbeats first (the last three send a progress not sent yet, so that the
-    next attempt resumes from it). Used as a context manager, a block that raises fails
+    next attempt resumes from it); one that is refused other than with ``lease_lost``, or
+    not answered, starts them again, so that the task stays held while the caller
+    retries. Used as a context manager, a block that raises fails
     the task with the exception (a ``KeyboardInterrupt`` releases it), and a block that
     ends without finishing the task releases it.
     """
@@ -1235,8 +1237,28 @@ class Lease:
         except LeaseLost as exc:
             self._lose(exc, notify=False)
             raise
+        except TaskboardError:
+            # Refused (an invalid or too large body) or unanswered: the task is still held
+            # as far as anyone here knows, so keep it alive for the caller to try again. (If
+            # an unanswered call did take effect, the next heartbeat is refused: lost.)
+            self._resume()
+            raise
         self.latest = task
         return task
+
+    def _resume(self) -> None:
+        """Heartbeat again after a finishing call that did not finish the task."""
+        self.stop()
+        if self.lost:
+            return
+        self._finished = False
+        self._stopping.clear()
+        self._wake.clear()
+        self._thread = threading.Thread(
+            target=self._run, name=f"taskboard-lease-{self.task.id}", daemon=True
+        )
+        if self._started:
+            self._thread.start()
 
     def _send_progress(self) -> None:
         """Send the progress not sent yet, if any, with a heartbeat of its own."""

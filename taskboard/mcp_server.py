@@ -76,6 +76,10 @@ Use comment_task to leave notes on a task, create_task to add work (parent_id fo
 depends_on for tasks that must be done first), and get_task or list_tasks to look around.
 """
 
+# The lease token sent for a task this session does not hold, so that the API says why it
+# refuses (Session.held): no lease is ever given this token.
+NOBODYS_TOKEN = "not-held-by-this-session"
+
 LOST = (
     "lease_lost: you no longer hold task {task_id}. {detail} Stop working on it: anything "
     "you send about it will be refused."
@@ -107,10 +111,8 @@ def _refusal(exc: TaskboardError) -> ToolError:
     """The API's refusal as a tool error the model can read: code, then detail."""
     if isinstance(exc, LeaseLost):
         return ToolError(f"{exc.code}: {exc.detail} Stop working on this task.")
-    message = f"{exc.code}: {exc.detail}"
-    for name, messages in exc.fields.items():
-        message += f"\n  {name}: {' '.join(messages)}"
-    return ToolError(message)
+    # The API's detail of an invalid request already names each field and what is wrong.
+    return ToolError(f"{exc.code}: {exc.detail}")
 
 
 class Session:
@@ -166,9 +168,30 @@ class Session:
         if lease is not None:
             lease.stop()
 
-    def end(self, task_id: int, action: Callable[[Lease], Task]) -> dict[str, Any]:
-        """Finish the task with ``action`` (complete, fail, ...), forgetting its lease."""
-        lease = self.lease(task_id)
+    def held(self, task_id: int, unheld: Callable[[str], Any]) -> Lease:
+        """The live lease on ``task_id``; for a task this session does not hold, the API's
+        own refusal of ``unheld`` (the action, sent with a token that is nobody's):
+        ``not_found``, ``forbidden_queue`` or ``lease_lost``, as the REST API answers."""
+        with self._lock:
+            held = task_id in self.leases
+        if held:
+            return self.lease(task_id)
+        try:
+            unheld(NOBODYS_TOKEN)
+        except LeaseLost as exc:
+            detail = f"{exc.detail} This session did not claim it, or has ended it."
+            raise ToolError(LOST.format(task_id=task_id, detail=detail)) from exc
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
+        return self.lease(task_id)  # never accepted; if it were, still not held here
+
+    def end(
+        self, task_id: int, action: Callable[[Lease], Task], unheld: Callable[[str], Any]
+    ) -> dict[str, Any]:
+        """Finish the task with ``action`` (complete, fail, ...), forgetting its lease once
+        it is finished; a refusal that leaves the task held (an invalid body, no answer)
+        keeps it, heartbeating, for the model to try again."""
+        lease = self.held(task_id, unheld)
         try:
             return _public(action(lease))
         except LeaseLost as exc:
@@ -176,7 +199,7 @@ class Session:
         except TaskboardError as exc:
             raise _refusal(exc) from exc
         finally:
-            if lease.finished:
+            if lease.finished or lease.lost:
                 self.forget(task_id)
 
     def close(self) -> None:
@@ -268,8 +291,8 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
         Use parent_id to split the task you hold into subtasks, and depends_on (ids of
         existing tasks) for work that may start only once those are done. run_after is an
-        ISO 8601 time with a UTC offset. Creating is safe to retry: the same request twice
-        makes one task.
+        ISO 8601 time with a UTC offset. Each call makes a new task (a call whose answer
+        was lost on the way is retried for you without making a second one).
         """
         task = await _call(
             session_of(ctx).client.create,
@@ -323,7 +346,12 @@ def build_server(session_of: SessionOf) -> MCPServer:
         session = session_of(ctx)
 
         def beat() -> dict[str, Any]:
-            lease = session.lease(task_id)
+            lease = session.held(
+                task_id,
+                lambda token: session.client.heartbeat(
+                    task_id, lease_token=token, progress=progress
+                ),
+            )
             try:
                 return _public(lease.heartbeat(progress))
             except LeaseLost as exc:
@@ -337,7 +365,11 @@ def build_server(session_of: SessionOf) -> MCPServer:
         """Finish a task you hold as done, with its result (any JSON value)."""
         session = session_of(ctx)
         return await anyio.to_thread.run_sync(
-            lambda: session.end(task_id, lambda lease: lease.complete(result))
+            lambda: session.end(
+                task_id,
+                lambda lease: lease.complete(result),
+                lambda token: session.client.complete(task_id, lease_token=token, result=result),
+            )
         )
 
     @server.tool()
@@ -349,7 +381,13 @@ def build_server(session_of: SessionOf) -> MCPServer:
         human after its last strike."""
         session = session_of(ctx)
         return await anyio.to_thread.run_sync(
-            lambda: session.end(task_id, lambda lease: lease.fail(error, retry_after=retry_after))
+            lambda: session.end(
+                task_id,
+                lambda lease: lease.fail(error, retry_after=retry_after),
+                lambda token: session.client.fail(
+                    task_id, error, lease_token=token, retry_after=retry_after
+                ),
+            )
         )
 
     @server.tool()
@@ -358,7 +396,11 @@ def build_server(session_of: SessionOf) -> MCPServer:
         do it now; someone else may)."""
         session = session_of(ctx)
         return await anyio.to_thread.run_sync(
-            lambda: session.end(task_id, lambda lease: lease.release())
+            lambda: session.end(
+                task_id,
+                lambda lease: lease.release(),
+                lambda token: session.client.release(task_id, lease_token=token),
+            )
         )
 
     @server.tool()
@@ -367,7 +409,11 @@ def build_server(session_of: SessionOf) -> MCPServer:
         access you do not have. They will requeue, resolve or cancel it."""
         session = session_of(ctx)
         return await anyio.to_thread.run_sync(
-            lambda: session.end(task_id, lambda lease: lease.escalate(reason))
+            lambda: session.end(
+                task_id,
+                lambda lease: lease.escalate(reason),
+                lambda token: session.client.escalate(task_id, reason, lease_token=token),
+            )
         )
 
     @server.tool()

@@ -207,8 +207,76 @@ def test_refusals_are_tool_errors_with_the_api_code(
             assert bad.is_error and "invalid: " in text_of(bad), text_of(bad)
             missing = await session.call_tool("get_task", {"task_id": 999_999})
             assert missing.is_error and "not_found" in text_of(missing)
-            unheld = await session.call_tool("release_task", {"task_id": 999_999})
-            assert unheld.is_error and "lease_lost" in text_of(unheld)
+            blank = await session.call_tool("create_task", {"title": ""})
+            assert text_of(blank).count("may not be blank") == 1, text_of(blank)
+
+    run(test)
+
+
+def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
+    server: LiveServer, transport: str
+) -> None:
+    """Not held here: the API says why, as it would over REST (not_found, forbidden_queue,
+    lease_lost), rather than the session answering lease_lost for all."""
+    from board.access import limit_queues
+
+    limited = UserFactory(username="llm-limited")
+    limit_queues(limited, ["mine"])
+    token = str(TokenFactory(user=limited).key)
+    other = UserFactory(username="someone-else")
+    theirs = transitions.create(actor=other, title="theirs", queue="theirs")
+    held = transitions.create(actor=other, title="held", queue="mine")
+    transitions.claim(actor=other, queues=["mine"])
+
+    async def test() -> None:
+        async with mcp_session(server, token, transport) as session:
+            await session.initialize()
+            for tool, extra in [
+                ("complete_task", {}),
+                ("fail_task", {"error": "no"}),
+                ("release_task", {}),
+                ("escalate_task", {"reason": "no"}),
+                ("report_progress", {"progress": 1}),
+            ]:
+                for task_id, code in [
+                    (999_999, "not_found: "),
+                    (theirs.pk, "forbidden_queue: "),
+                    (held.pk, "lease_lost: "),
+                ]:
+                    refused = await session.call_tool(tool, {"task_id": task_id, **extra})
+                    assert refused.is_error, (tool, task_id)
+                    assert code in text_of(refused), (tool, text_of(refused))
+
+    run(test)
+
+
+def test_a_refused_finish_leaves_the_task_held_and_heartbeating(
+    server: LiveServer, token: str, transport: str
+) -> None:
+    """A fail, escalate or complete that the API refuses as invalid finishes nothing: the
+    session keeps the lease alive, and the model's corrected call goes through."""
+
+    async def test() -> None:
+        async with mcp_session(server, token, transport) as session:
+            await session.initialize()
+            created = await call(session, "create_task", title="retry me", queue="llm")
+            await call(session, "claim_task", queues=["llm"], lease_seconds=2)
+            refusals = [("fail_task", {"error": ""}), ("escalate_task", {"reason": ""})]
+            if transport == "stdio":  # /mcp/ refuses a body this large itself (413)
+                refusals.append(("complete_task", {"result": "x" * (1024 * 1024 + 1)}))
+            for tool, bad in refusals:
+                refused = await session.call_tool(tool, {"task_id": created["id"], **bad})
+                assert refused.is_error and "lease_lost" not in text_of(refused)
+            await anyio.sleep(4.5)  # twice the lease: only heartbeats keep it
+
+            task = await db(lambda: Task.objects.get(pk=created["id"]))
+            assert task.status == "in_progress" and task.leased_by_id == "llm-agent"
+            done = await call(session, "complete_task", task_id=created["id"], result=1)
+            assert done["status"] == "done"
+            expired = await db(
+                lambda: TaskEvent.objects.filter(task_id=created["id"], type="expired").count()
+            )
+            assert expired == 0
 
     run(test)
 
