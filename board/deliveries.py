@@ -44,6 +44,7 @@ from django.contrib.auth import get_user_model
 from django.core.mail import EmailMessage, get_connection
 from django.db import Error as DatabaseError
 from django.db import connection
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
@@ -150,10 +151,17 @@ def _slack_text(event: TaskEvent, task: Task) -> str:
     return f"{text} <{admin_url(task)}|Open in the admin>"
 
 
-def _recipients() -> list[str]:
+def _recipients(queue: str) -> list[str]:
+    """Who is emailed an escalation in ``queue``: TASKBOARD_ESCALATION_EMAILS, or every
+    active staff user with an email who may see that queue (board.access)."""
     if settings.TASKBOARD_ESCALATION_EMAILS:
         return list(settings.TASKBOARD_ESCALATION_EMAILS)
-    staff = get_user_model().objects.filter(is_active=True, is_staff=True).exclude(email="")
+    staff = (
+        get_user_model()
+        .objects.filter(is_active=True, is_staff=True)
+        .exclude(email="")
+        .filter(Q(queue_limit__isnull=True) | Q(queue_limit__queues__contains=[queue]))
+    )
     return sorted(staff.values_list("email", flat=True))
 
 
@@ -181,7 +189,7 @@ def prepare(delivery: Delivery) -> Outgoing:
             render_to_string("board/email/escalated_subject.txt", context).split()
         )
         out.body = render_to_string("board/email/escalated.txt", context).encode()
-        out.recipients = _recipients()
+        out.recipients = _recipients(task.queue)
         if not out.recipients:
             out.problem = "no recipient: set TASKBOARD_ESCALATION_EMAILS or a staff user's email"
         return out

@@ -259,12 +259,20 @@ class MayScrape(BasePermission):
     """Staff, or anyone when TASKBOARD_METRICS_PUBLIC is set (a scraper inside a private
     network, where handing Prometheus a staff token is more trouble than it is worth)."""
 
-    message = "Only staff may read the metrics (or set TASKBOARD_METRICS_PUBLIC=true)."
+    message = (
+        "Only staff not limited to queues may read the metrics "
+        "(or set TASKBOARD_METRICS_PUBLIC=true)."
+    )
 
     def has_permission(self, request: Request, view: Any) -> bool:
+        from board.access import queue_access
+
         if settings.TASKBOARD_METRICS_PUBLIC:
             return True
-        return bool(request.user.is_authenticated and request.user.is_staff)
+        # The metrics count every queue's tasks: staff limited to queues do not see the
+        # others' (board.access).
+        user = request.user
+        return bool(user.is_authenticated and user.is_staff and not queue_access(user).limited)
 
 
 class MetricsView(APIView):

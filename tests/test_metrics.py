@@ -208,6 +208,20 @@ def test_it_refuses_an_agent_that_is_not_staff_with_the_apis_403(
     assert response.json()["error"] == "permission_denied"
 
 
+def test_it_refuses_staff_limited_to_queues_who_may_not_see_every_queues_counts(
+    api: Callable[[Any], APIClient],
+) -> None:
+    from board.access import limit_queues
+    from tests.factories import StaffFactory
+
+    limited = StaffFactory(username="ops-images")
+    limit_queues(limited, ["images"])
+    response = api(limited).get("/metrics")
+
+    assert response.status_code == 403
+    assert response.json()["error"] == "permission_denied"
+
+
 def test_it_answers_anyone_when_the_metrics_are_public(settings: Any) -> None:
     settings.TASKBOARD_METRICS_PUBLIC = True
 

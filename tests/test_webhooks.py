@@ -110,6 +110,54 @@ def test_only_staff_see_or_change_webhooks(
     assert Webhook.objects.filter(pk=hook["id"]).exists()
 
 
+def test_staff_limited_to_queues_see_and_add_only_webhooks_of_their_queues(
+    api: Callable[[Any], APIClient],
+    staff_api: APIClient,
+    make_task: Callable[..., Any],
+    agent: Any,
+) -> None:
+    """A webhook sends its queues' tasks and events: staff limited to queues (board.access)
+    may not use one to read another queue's, as they may not read them in the API."""
+    from board.access import limit_queues
+    from tests.factories import StaffFactory
+
+    every_queue = add_webhook(staff_api)
+    theirs = add_webhook(staff_api, queues=["images", "other"])
+    limited = StaffFactory(username="ops-images")
+    limit_queues(limited, ["images"])
+    limited_api = api(limited)
+
+    mine = add_webhook(limited_api)  # no queues: its own, as a limited claim takes
+    assert mine["queues"] == ["images"]
+    forbidden = assert_error(
+        post(limited_api, "webhooks/", {"url": "https://example.com", "queues": ["other"]}), 403
+    )
+    assert forbidden["error"] == "forbidden_queue"
+    assert [w["id"] for w in get(limited_api, "webhooks/").json()["results"]] == [mine["id"]]
+    for hidden in (every_queue, theirs):
+        assert_error(get(limited_api, f"webhooks/{hidden['id']}/deliveries/"), 404)
+        assert_error(limited_api.delete(f"{API}/webhooks/{hidden['id']}/"), 404)
+        assert Webhook.objects.filter(pk=hidden["id"]).exists()
+
+    escalate(make_task, agent, queue="other")
+    escalate(make_task, agent, queue="images")
+    assert Delivery.objects.filter(webhook_id=mine["id"]).count() == 1
+    assert limited_api.delete(f"{API}/webhooks/{mine['id']}/").status_code == 204
+
+
+def test_escalation_emails_by_default_skip_staff_limited_to_other_queues() -> None:
+    from board import deliveries
+    from board.access import limit_queues
+    from tests.factories import StaffFactory
+
+    StaffFactory(username="ann", email="ann@example.com")
+    limit_queues(StaffFactory(username="ida", email="ida@example.com"), ["images"])
+    limit_queues(StaffFactory(username="ola", email="ola@example.com"), ["other"])
+
+    assert deliveries._recipients("images") == ["ann@example.com", "ida@example.com"]
+    assert deliveries._recipients("default") == ["ann@example.com"]
+
+
 def test_deleting_a_webhook_removes_it_and_its_deliveries(
     staff_api: APIClient, make_task: Callable[..., Any], agent: Any
 ) -> None:

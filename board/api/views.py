@@ -580,7 +580,14 @@ class WebhookViewSet(BoardViewSet):
     lookup_value_regex = r"[0-9]{1,18}"
 
     def get_queryset(self) -> QuerySet[Any]:
-        return self.queryset.all()  # not by queue: staff see every webhook
+        # Staff see every webhook; staff limited to queues (board.access), only those that
+        # send nothing but their own queues' events, as for tasks and events themselves.
+        webhooks = self.queryset.all()
+        if self.access.limited:
+            webhooks = webhooks.filter(
+                queues__len__gt=0, queues__contained_by=sorted(self.access.queues or ())
+            )
+        return webhooks
 
     @extend_schema(
         operation_id="webhooks_list",
@@ -609,6 +616,12 @@ class WebhookViewSet(BoardViewSet):
     )
     def create(self, request: Request) -> Response:
         data = self.validated(s.WebhookCreateSerializer)
+        if self.access.limited:
+            # As a limited claim does: no queues means its own; another's is refused.
+            if data.get("queues"):
+                self.access.check(*data["queues"])
+            else:
+                data["queues"] = sorted(self.access.queues or ())
         # 256 random bits, as a receiver's key for HMAC-SHA256 should have.
         data["secret"] = data.get("secret") or secrets.token_hex(32)
         webhook = transitions.create_webhook(actor=request.user, **data)
@@ -619,6 +632,7 @@ class WebhookViewSet(BoardViewSet):
         responses={204: None, **ERRORS_403_WEBHOOKS, **ERRORS_404_WEBHOOK},
     )
     def destroy(self, request: Request, pk: str) -> Response:
+        self.get_object()  # 404 for one this user may not see
         if not transitions.delete_webhook(webhook_id=int(pk), actor=request.user):
             raise exceptions.NotFound("No such webhook.")
         return Response(status=status.HTTP_204_NO_CONTENT)
