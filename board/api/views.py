@@ -566,7 +566,13 @@ class IsStaffForWebhooks(IsStaff):
 
 
 ERRORS_403_WEBHOOKS = {
-    403: OpenApiResponse(s.ErrorSerializer, description="permission_denied: staff only.")
+    403: OpenApiResponse(
+        s.ErrorSerializer,
+        description=(
+            "permission_denied: staff only. forbidden_queue: a queue outside the queues "
+            "this user is limited to."
+        ),
+    )
 }
 ERRORS_404_WEBHOOK = {404: OpenApiResponse(s.ErrorSerializer, description="No such webhook.")}
 
