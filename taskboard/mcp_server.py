@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -59,6 +59,15 @@ Dependencies = Annotated[list[TaskId], Field(max_length=100)]
 LeaseSeconds = Annotated[int, Field(ge=1, le=86400)]
 WaitSeconds = Annotated[float, Field(ge=0, le=60)]
 RetryAfter = Annotated[int, Field(ge=0, le=86400 * 30)]
+Title = Annotated[str, Field(min_length=1, max_length=200)]
+QueueName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
+Queues = Annotated[list[QueueName], Field(max_length=100)]
+Text = Annotated[str, Field(min_length=1, max_length=10000)]  # a comment, error or reason
+Status = Literal["pending", "in_progress", "done", "escalated", "cancelled"]
+# Checked by the API (which refuses duplicates and times without an offset), stated here
+# for the model.
+UniqueDependencies = Annotated[Dependencies, Field(json_schema_extra={"uniqueItems": True})]
+Time = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
 
 INSTRUCTIONS = """\
 This server is a shared task board: humans and agents post tasks, and you claim and do them.
@@ -274,15 +283,15 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
     @server.tool()
     async def create_task(
-        title: str,
+        title: Title,
         description: str | None = None,
         payload: dict[str, Any] | None = None,
-        queue: str | None = None,
+        queue: QueueName | None = None,
         priority: Priority | None = None,
-        depends_on: Dependencies | None = None,
+        depends_on: UniqueDependencies | None = None,
         parent_id: TaskId | None = None,
         max_failures: MaxFailures | None = None,
-        run_after: str | None = None,
+        run_after: Time | None = None,
         max_attempt_seconds: AttemptSeconds | None = None,
         *,
         ctx: Context,
@@ -311,7 +320,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
     @server.tool()
     async def claim_task(
-        queues: list[str] | None = None,
+        queues: Queues | None = None,
         lease_seconds: LeaseSeconds | None = None,
         wait: WaitSeconds | None = None,
         *,
@@ -374,7 +383,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
     @server.tool()
     async def fail_task(
-        task_id: TaskId, error: str, retry_after: RetryAfter | None = None, *, ctx: Context
+        task_id: TaskId, error: Text, retry_after: RetryAfter | None = None, *, ctx: Context
     ) -> dict[str, Any]:
         """Give up on a task you hold because it did not work, saying why (error). It counts
         a strike: the task is retried (after retry_after seconds, if given) and goes to a
@@ -404,7 +413,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
-    async def escalate_task(task_id: TaskId, reason: str, *, ctx: Context) -> dict[str, Any]:
+    async def escalate_task(task_id: TaskId, reason: Text, *, ctx: Context) -> dict[str, Any]:
         """Hand a task you hold to the humans, with the reason: when it needs a decision or
         access you do not have. They will requeue, resolve or cancel it."""
         session = session_of(ctx)
@@ -417,7 +426,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
-    async def comment_task(task_id: TaskId, body: str, *, ctx: Context) -> dict[str, Any]:
+    async def comment_task(task_id: TaskId, body: Text, *, ctx: Context) -> dict[str, Any]:
         """Add a comment to a task's history (any task, held or not): notes for the humans
         and agents who read it. Answers the comment's event."""
         event = await _call(session_of(ctx).client.comment, task_id, body)
@@ -433,8 +442,8 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
     @server.tool()
     async def list_tasks(
-        status: str | None = None,
-        queue: str | None = None,
+        status: Status | None = None,
+        queue: QueueName | None = None,
         parent: TaskId | None = None,
         blocked: bool | None = None,
         *,

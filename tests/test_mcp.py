@@ -23,7 +23,14 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from board import conf, transitions
-from board.models import MAX_ATTEMPT_SECONDS, MAX_DEPENDENCIES, Task, TaskEvent
+from board.models import (
+    MAX_ATTEMPT_SECONDS,
+    MAX_DEPENDENCIES,
+    QUEUE_PATTERN,
+    Task,
+    TaskEvent,
+    TaskStatus,
+)
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, live_server
 from tests.processes import ROOT, cli_env
@@ -145,6 +152,36 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
             }
             too_long = await session.call_tool("claim_task", {"wait": 1e308})
             assert too_long.is_error and "wait" in text_of(too_long)
+            title = bounds("create_task", "title")
+            assert (title["minLength"], title["maxLength"]) == (
+                1,
+                Task._meta.get_field("title").max_length,
+            )
+            queue_pattern = QUEUE_PATTERN.replace(r"\Z", "$")
+            assert bounds("create_task", "queue")["pattern"] == queue_pattern
+            assert bounds("list_tasks", "queue")["pattern"] == queue_pattern
+            assert bounds("claim_task", "queues")["items"]["pattern"] == queue_pattern
+            assert bounds("claim_task", "queues")["maxItems"] == 100  # as the API's claim
+            assert set(bounds("list_tasks", "status")["enum"]) == set(TaskStatus.values)
+            for tool, name in [
+                ("comment_task", "body"),
+                ("fail_task", "error"),
+                ("escalate_task", "reason"),
+            ]:
+                assert (bounds(tool, name)["minLength"], bounds(tool, name)["maxLength"]) == (
+                    1,
+                    10_000,
+                ), (tool, name)
+            assert bounds("create_task", "run_after")["format"] == "date-time"
+            assert bounds("create_task", "depends_on")["uniqueItems"] is True
+            for tool, arguments in [
+                ("create_task", {"title": "x" * 201}),
+                ("create_task", {"title": "x", "queue": "Not A Queue"}),
+                ("list_tasks", {"status": "nonsense"}),
+                ("comment_task", {"task_id": 1, "body": ""}),
+            ]:
+                refused = await session.call_tool(tool, arguments)
+                assert refused.is_error, (tool, arguments)
 
     run(test)
 
@@ -203,11 +240,11 @@ def test_refusals_are_tool_errors_with_the_api_code(
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:
             await session.initialize()
-            bad = await session.call_tool("create_task", {"title": "x", "queue": "Not A Queue"})
+            bad = await session.call_tool("create_task", {"title": "x", "run_after": "soon"})
             assert bad.is_error and "invalid: " in text_of(bad), text_of(bad)
             missing = await session.call_tool("get_task", {"task_id": 999_999})
             assert missing.is_error and "not_found" in text_of(missing)
-            blank = await session.call_tool("create_task", {"title": ""})
+            blank = await session.call_tool("create_task", {"title": "   "})
             assert text_of(blank).count("may not be blank") == 1, text_of(blank)
 
     run(test)
@@ -261,7 +298,8 @@ def test_a_refused_finish_leaves_the_task_held_and_heartbeating(
             await session.initialize()
             created = await call(session, "create_task", title="retry me", queue="llm")
             await call(session, "claim_task", queues=["llm"], lease_seconds=2)
-            refusals = [("fail_task", {"error": ""}), ("escalate_task", {"reason": ""})]
+            # Blank: inside the tools' schemas, refused by the API.
+            refusals = [("fail_task", {"error": "  "}), ("escalate_task", {"reason": "  "})]
             if transport == "stdio":  # /mcp/ refuses a body this large itself (413)
                 refusals.append(("complete_task", {"result": "x" * (1024 * 1024 + 1)}))
             for tool, bad in refusals:
