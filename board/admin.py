@@ -445,7 +445,7 @@ def retry(modeladmin: DeliveryAdmin, request: HttpRequest, queryset: QuerySet[De
     rearmed = transitions.retry_deliveries(delivery_ids=selected, actor=request.user)
     text = f"Retrying {rearmed} {'delivery' if rearmed == 1 else 'deliveries'}"
     if skipped := len(selected) - rearmed:
-        text += f"; skipped {skipped} that had not failed"
+        text += f"; skipped {skipped} that had not failed or whose event was archived"
     modeladmin.message_user(request, text + ".", messages.WARNING if skipped else messages.SUCCESS)
 
 

@@ -15,7 +15,8 @@ is needed. The dispatcher:
   (or a Slack ``{"text": ...}``), or sends the escalation email through Django's email
   framework; 2xx within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS is success;
 - records the outcome under the lease token: delivered, or due again after a backoff with
-  full jitter, or failed once past TASKBOARD_DELIVERY_HORIZON_SECONDS.
+  full jitter (at TASKBOARD_DELIVERY_HORIZON_SECONDS when that would land past it), or
+  failed when an attempt at or after the horizon fails.
 
 Database work runs on one thread of the dispatcher's own (Django's connection is per
 thread), which closes its connection whenever the dispatcher goes idle.

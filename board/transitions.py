@@ -668,8 +668,9 @@ def record_delivery(
 ) -> str | None:
     """Record the outcome of an attempt made under ``lease_token``.
 
-    Return the delivery's status afterwards (delivered, pending for a retry in ``retry_in``
-    seconds, or failed when that would pass the horizon), or None when the lease was no
+    Return the delivery's status afterwards (delivered; pending for a retry in ``retry_in``
+    seconds, or at the horizon when that would pass it; or failed when this attempt was at
+    or after the horizon), or None when the lease was no
     longer the caller's (it ran out and another process took the delivery, or the webhook
     was deleted): then nothing is recorded.
     """

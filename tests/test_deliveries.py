@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -133,6 +134,65 @@ def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
         )
         assert delivery.delivered_at is not None
         assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
+
+
+def fail_attempt(delivery: Delivery, *, retry_in: float, horizon_seconds: float) -> str | None:
+    """Record that the attempt made under ``delivery``'s lease failed with a 500."""
+    assert delivery.lease_token is not None
+    return transitions.record_delivery(
+        delivery_id=delivery.pk,
+        lease_token=delivery.lease_token,
+        delivered=False,
+        status_code=500,
+        error="answered 500",
+        retry_in=retry_in,
+        horizon_seconds=horizon_seconds,
+    )
+
+
+def test_a_retry_that_would_land_past_the_horizon_is_made_at_the_horizon(
+    make_task: Callable[..., Any], agent: Any, staff: Any
+) -> None:
+    transitions.create_webhook(
+        actor=staff, url="http://127.0.0.1:9/hook", events=["escalated"], queues=None, secret=SECRET
+    )
+    escalate(make_task, agent)
+    [first] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+
+    assert fail_attempt(first, retry_in=60, horizon_seconds=1) == "pending"
+    first.refresh_from_db()
+    assert first.next_attempt_at == first.armed_at + timedelta(seconds=1)
+
+    # The last attempt, at the horizon: when it fails, the delivery has failed for good.
+    [last] = eventually(
+        lambda: transitions.claim_deliveries(limit=1, lease_seconds=30), what="due at the horizon"
+    )
+    assert fail_attempt(last, retry_in=60, horizon_seconds=1) == "failed"
+    last.refresh_from_db()
+    assert (last.status, last.attempts, last.next_attempt_at) == ("failed", 2, None)
+
+
+def test_a_receiver_that_keeps_failing_is_tried_at_the_horizon_before_the_delivery_fails(
+    quick: Any,
+    make_task: Callable[..., Any],
+    agent: Any,
+    staff: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every backoff lands past the horizon (as a long jittered one near its end does):
+    the attempt at +0 s is followed by one at the horizon, not by giving up."""
+    quick.TASKBOARD_DELIVERY_HORIZON_SECONDS = 3
+    monkeypatch.setattr(deliveries, "backoff_seconds", lambda attempts, rng=None: 60.0)
+    with WebhookReceiver(then=500) as receiver, live_server():
+        hook = transitions.create_webhook(
+            actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
+        )
+        escalate(make_task, agent)
+        eventually(lambda: settled(hook), timeout=20, what="the delivery gave up")
+    [delivery] = Delivery.objects.all()
+    assert (delivery.status, delivery.attempts) == ("failed", 2)
+    first, last = receiver.received
+    assert 2.5 <= last.at - first.at < 5
 
 
 def test_the_backoff_ceiling_doubles_with_each_attempt_up_to_its_cap(settings: Any) -> None:

@@ -594,19 +594,21 @@ WITH done AS (
 SELECT id FROM done;
 
 -- name: delivery_attempt_failed
--- Record a failed attempt under the lease token: due again after %(retry_in)s seconds, or
--- failed for good when that would be past the horizon after the delivery was armed (made,
--- or retried by staff). Counted as retried or failed.
+-- Record a failed attempt under the lease token, and count it as retried or failed. The
+-- horizon is %(horizon_seconds)s after the delivery was armed (made, or retried by staff).
+-- Before it, the delivery is due again after %(retry_in)s seconds, or at the horizon when
+-- that would land past it: one last attempt there, so that a receiver is tried for the
+-- whole horizon, not given up on when a long backoff happens to be drawn near its end. An
+-- attempt that fails at or after the horizon fails the delivery for good.
 WITH outcome AS (
     UPDATE webhook_deliveries SET
         status = CASE
-            WHEN now() + make_interval(secs => %(retry_in)s)
-                 > armed_at + make_interval(secs => %(horizon_seconds)s)
+            WHEN now() >= armed_at + make_interval(secs => %(horizon_seconds)s)
             THEN 'failed' ELSE 'pending' END,
         next_attempt_at = CASE
-            WHEN now() + make_interval(secs => %(retry_in)s)
-                 > armed_at + make_interval(secs => %(horizon_seconds)s)
-            THEN NULL ELSE now() + make_interval(secs => %(retry_in)s) END,
+            WHEN now() >= armed_at + make_interval(secs => %(horizon_seconds)s) THEN NULL
+            ELSE least(now() + make_interval(secs => %(retry_in)s),
+                       armed_at + make_interval(secs => %(horizon_seconds)s)) END,
         last_status_code = %(status_code)s, last_error = %(error)s,
         leased_until = NULL, lease_token = NULL
     WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
@@ -620,11 +622,17 @@ SELECT id, status FROM outcome;
 
 -- name: retry_deliveries
 -- Re-arm failed deliveries (staff): due now, with a new horizon, and wake the dispatchers.
+-- Only those whose event is still in the log: one that `taskboard archive` took out has
+-- nothing left to send. Reading task_events waits for the lock that an archive holds from
+-- its check for pending deliveries of a month to the drop of that month (board.archive),
+-- so a retry cannot make one pending in between: it re-arms before the check, which then
+-- sees it, or after the drop, when its event is gone.
 WITH rearmed AS (
-    UPDATE webhook_deliveries SET
+    UPDATE webhook_deliveries d SET
         status = 'pending', next_attempt_at = now(), armed_at = now(), attempts = 0
-    WHERE id = ANY(%(delivery_ids)s::bigint[]) AND status = 'failed'
-    RETURNING id
+    WHERE d.id = ANY(%(delivery_ids)s::bigint[]) AND d.status = 'failed'
+      AND EXISTS (SELECT 1 FROM task_events e WHERE e.id = d.event_id)
+    RETURNING d.id
 )
 SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM rearmed;
 
