@@ -19,6 +19,12 @@ month before the boundary, oldest first:
 
 Events that the DEFAULT partition holds before the boundary are first moved into their
 months' partitions. Tasks are not touched: their history in the API starts at the boundary.
+
+Deliveries still pending (contract: "Every matching event is delivered at least once")
+hold the archive back: a delivery whose event has left the log has nothing to send. Before
+anything is written, any pending delivery of an event before the boundary refuses the
+archive (DeliveriesPending); each month's drop checks again for its own events, in its
+transaction, under the locks that the drop takes (see ``_drop``).
 """
 
 from __future__ import annotations
@@ -33,12 +39,12 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models.expressions import RawSQL
 
 from board import transitions
 from board.api.serializers import EventSerializer
-from board.models import TaskEvent
+from board.models import TaskEvent, Webhook, WebhookKind
 from board.sql import QUERIES
 
 CHUNK = 5_000
@@ -50,6 +56,11 @@ class ArchiveRefused(Exception):
 
 class ArchiveFailed(Exception):
     """The file did not verify; nothing was dropped."""
+
+
+class DeliveriesPending(Exception):
+    """Deliveries of events to archive are still pending: before anything was written, or
+    (made pending by a staff retry meanwhile) before the month was dropped."""
 
 
 @dataclass
@@ -120,6 +131,75 @@ def _next_month(month: datetime) -> datetime:
     return month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
 
 
+def _pending_deliveries(query: str, params: dict[str, Any]) -> dict[int, int]:
+    """Return the pending deliveries that ``query`` (archive.sql) finds, by webhook id."""
+    with connection.cursor() as cursor:
+        cursor.execute(QUERIES[query], params)
+        return {int(webhook_id): int(count) for webhook_id, count in cursor.fetchall()}
+
+
+def _how_many(pending: dict[int, int]) -> str:
+    total = sum(pending.values())
+    return f"{total:,} webhook or email deliver{'y' if total == 1 else 'ies'}"
+
+
+def _by_webhook(pending: dict[int, int]) -> str:
+    webhooks = Webhook.objects.in_bulk(list(pending))
+
+    def name(webhook_id: int) -> str:
+        webhook = webhooks.get(webhook_id)
+        if webhook is not None and webhook.kind == WebhookKind.EMAIL:
+            return "the escalation emails"
+        return f"webhook {webhook_id} at {webhook.url if webhook else '(deleted)'}"
+
+    return ", ".join(f"{name(webhook_id)}: {count:,}" for webhook_id, count in pending.items())
+
+
+UNTIL_SETTLED = (
+    "They must be delivered (or have failed, TASKBOARD_DELIVERY_HORIZON_SECONDS after they "
+    "were made), or their webhook deleted (DELETE webhooks/{id}/ removes its deliveries), "
+    "first: once their events leave the log they can never be delivered."
+)
+
+
+def _refuse_pending_deliveries(boundary: datetime) -> None:
+    if pending := _pending_deliveries("pending_deliveries_before", {"before": boundary}):
+        verb = "is" if sum(pending.values()) == 1 else "are"
+        raise DeliveriesPending(
+            f"{_how_many(pending)} of events before {boundary:%Y-%m-%d} {verb} still pending "
+            f"({_by_webhook(pending)}). {UNTIL_SETTLED} Nothing was written or dropped."
+        )
+
+
+def _drop(month: datetime, tally: Tally) -> None:
+    """Drop the month's partition (board.transitions), in one transaction with a last check
+    that no delivery of its events is pending.
+
+    The check is made under the locks that the drop takes, taken first (lock_event_log), so
+    it still holds when the partition goes: no event of the month (nor its deliveries) is
+    written meanwhile, and a staff retry of a failed delivery waits for the drop and then
+    finds its event gone (retry_deliveries). Busy locks are retried as for the drop alone.
+    """
+
+    def drop() -> None:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(QUERIES["lock_event_log"])
+            params = {"month": month, "next_month": _next_month(month)}
+            if pending := _pending_deliveries("pending_deliveries_of_month", params):
+                raise DeliveriesPending(
+                    f"{_how_many(pending)} of events of {month:%Y-%m} became pending since "
+                    f"the archive started ({_by_webhook(pending)}): {month:%Y-%m} and the "
+                    "months after it are still in the database, and the file is complete. "
+                    f"{UNTIL_SETTLED} Then archive again, to another file."
+                )
+            transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
+
+    # drop_event_partition retries busy locks only in a transaction of its own; this one is
+    # the archive's, so the whole transaction is retried here, by the same rule.
+    transitions._retrying_lock_timeouts(drop, attempts=20)
+
+
 def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
     """Yield the month's events as archive lines, in id order, a chunk at a time (keyset
     pagination: no server-side cursor, which a pooler in transaction mode would break).
@@ -165,6 +245,7 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
         raise ArchiveRefused(f"{to} exists: give another file, or --force to replace it.")
     if not transitions.event_partitions_supported():
         raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
+    _refuse_pending_deliveries(boundary)
     transitions.split_default_event_partition(before=boundary)
     months = _months_before(boundary)
 
@@ -193,6 +274,6 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
     archived = []
     for month in months:
         tally = written[month.date()]
-        transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
+        _drop(month, tally)
         archived.append(MonthArchived(month.date(), tally.count, tally.sha256))
     return Archived(to, archived)

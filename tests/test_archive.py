@@ -19,7 +19,7 @@ from django.db.migrations.executor import MigrationExecutor
 
 from board import transitions
 from board.exceptions import ArchiveMismatch
-from board.models import Task, TaskEvent
+from board.models import Delivery, Task, TaskEvent, Webhook
 from tests.factories import TokenFactory, UserFactory
 from tests.live import StreamCollector, live_server
 
@@ -396,6 +396,159 @@ def test_a_partition_that_does_not_hold_what_the_file_holds_is_not_dropped(
 
     assert partition_of(month) in partitions()
     assert sql(f"SELECT count(*) FROM {partition_of(month)}") == [(count,)]
+
+
+# --- archive and the deliveries still to make ---------------------------------------------
+
+
+def webhook(staff: Any) -> Webhook:
+    return transitions.create_webhook(
+        actor=staff, url="http://127.0.0.1:9/hook", events=["escalated"], queues=None, secret="s"
+    )
+
+
+def attempt(delivery_id: int, *, delivered: bool = False, for_good: bool = True) -> None:
+    """Claim the due deliveries and record the attempt on ``delivery_id``: delivered, failed
+    for good, or failed and due again at once; the others stay leased."""
+    [claimed] = [
+        d for d in transitions.claim_deliveries(limit=100, lease_seconds=30) if d.pk == delivery_id
+    ]
+    assert claimed.lease_token is not None
+    transitions.record_delivery(
+        delivery_id=claimed.pk,
+        lease_token=claimed.lease_token,
+        delivered=delivered,
+        error=None if delivered else "answered 500",
+        retry_in=3600 if for_good else 0,
+        horizon_seconds=0 if for_good else 3600,
+    )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("then", ["delivered", "webhook deleted"])
+def test_archive_refuses_while_a_delivery_of_those_months_is_pending(
+    history: dict[str, list[int]], tmp_path: Path, staff: Any, then: str
+) -> None:
+    hook = webhook(staff)
+    old = Task.objects.get(title="old")
+    past_event(old, month_start(2) + timedelta(days=1), type="escalated")
+    past_event(old, month_start(1), type="escalated")  # a month that stays: no matter
+    waiting, kept = Delivery.objects.order_by("event_id")
+    attempt(waiting.pk, for_good=False)  # its receiver answered 500: pending, to be retried
+    events_before, partitions_before = TaskEvent.objects.count(), partitions()
+    target = tmp_path / "a.jsonl"
+    before = f"{month_start(1):%Y-%m-%d}"
+
+    with pytest.raises(CommandError) as refused:
+        call_command("archive", "--before", before, "--to", str(target))
+
+    message = str(refused.value)
+    assert f"1 webhook or email delivery of events before {before} is still pending" in message
+    assert f"(webhook {hook.pk} at http://127.0.0.1:9/hook: 1)" in message
+    assert "must be delivered" in message and "webhook deleted" in message
+    assert "Nothing was written or dropped" in message
+    assert not target.exists() and not (tmp_path / "a.jsonl.partial").exists()
+    assert TaskEvent.objects.count() == events_before
+    assert partitions() == partitions_before
+
+    if then == "delivered":
+        attempt(waiting.pk, delivered=True)
+    else:
+        assert transitions.delete_webhook(webhook_id=hook.pk, actor=staff)
+    call_command("archive", "--before", before, "--to", str(target))
+    assert waiting.event_id in {line["id"] for line in read_lines(target)}
+    assert TaskEvent.objects.filter(pk=kept.event_id).exists()
+
+
+@pytest.mark.django_db
+def test_a_failed_delivery_does_not_hold_the_archive_back_and_is_not_retried_after_it(
+    history: dict[str, list[int]], tmp_path: Path, staff: Any
+) -> None:
+    webhook(staff)
+    past_event(Task.objects.get(title="old"), month_start(2) + timedelta(days=1), type="escalated")
+    [delivery] = Delivery.objects.all()
+    attempt(delivery.pk)
+
+    call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))
+
+    # Its event is no longer in the log: a staff retry would have nothing to send.
+    assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
+    delivery.refresh_from_db()
+    assert delivery.status == "failed"
+
+
+@pytest.mark.django_db
+def test_a_delivery_retried_during_the_archive_stops_the_drop_of_its_month(
+    history: dict[str, list[int]], tmp_path: Path, staff: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked again under the locks of each month's drop: a staff retry of a failed
+    delivery after the first check (here, while the file is read back) makes it pending."""
+    from board import archive
+
+    webhook(staff)
+    past_event(Task.objects.get(title="old"), month_start(2) + timedelta(days=1), type="escalated")
+    [delivery] = Delivery.objects.all()
+    attempt(delivery.pk)
+    read_back = archive._read_back
+
+    def retried_meanwhile(path: Path, *, gzipped: bool) -> dict[Any, archive.Tally]:
+        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
+        return read_back(path, gzipped=gzipped)
+
+    monkeypatch.setattr(archive, "_read_back", retried_meanwhile)
+    target = tmp_path / "a.jsonl"
+
+    with pytest.raises(
+        CommandError, match=f"of events of {month_start(2):%Y-%m} became pending since"
+    ):
+        call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(target))
+
+    assert partition_of(month_start(2)) in partitions()  # and so the event and its delivery
+    assert TaskEvent.objects.filter(pk=delivery.event_id).exists()
+    assert partition_of(month_start(14)) not in partitions()  # the month before it went
+    assert delivery.event_id in {line["id"] for line in read_lines(target)}  # complete
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_staff_retry_made_during_a_drop_waits_for_it_and_rearms_nothing(
+    tmp_path: Path, agent: Any, staff: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from django.db import connections
+
+    webhook(staff)
+    task = transitions.create(actor=agent, title="old")
+    past_event(task, month_start(2), type="escalated")
+    [delivery] = Delivery.objects.all()
+    attempt(delivery.pk)
+    drop = transitions.drop_event_partition
+    retried: list[int] = []
+
+    def retry() -> None:
+        try:
+            retried.append(transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff))
+        finally:
+            connections.close_all()
+
+    retrying = threading.Thread(target=retry)
+
+    def drop_while_staff_retry(**kwargs: Any) -> int:
+        # Inside the archive's transaction, after its check: the retry must wait for it.
+        retrying.start()
+        retrying.join(timeout=1)
+        assert retrying.is_alive(), f"the retry did not wait for the drop: {retried}"
+        return drop(**kwargs)
+
+    monkeypatch.setattr(transitions, "drop_event_partition", drop_while_staff_retry)
+
+    call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))
+
+    retrying.join(timeout=10)
+    assert retried == [0]
+    delivery.refresh_from_db()
+    assert delivery.status == "failed"
 
 
 @pytest.mark.slow

@@ -37,7 +37,12 @@ class Command(BaseCommand):
         before = first_of_month(options["before"])
         try:
             done = archive.archive(before=before, to=options["to"], force=options["force"])
-        except (archive.ArchiveRefused, archive.ArchiveFailed, ArchiveMismatch) as exc:
+        except (
+            archive.ArchiveRefused,
+            archive.ArchiveFailed,
+            archive.DeliveriesPending,
+            ArchiveMismatch,
+        ) as exc:
             raise CommandError(str(exc)) from exc
         except OSError as exc:
             raise CommandError(f"Cannot write the archive: {exc}") from exc
