@@ -1118,6 +1118,9 @@ class Lease:
         self._wake = threading.Event()
         self._finished = False
         self._started = False
+        # stop() was called: no finishing call's refusal starts the heartbeats again.
+        self._stopped = False
+        self._control = threading.Lock()  # _stopped and a new thread, against stop()
         self._thread = threading.Thread(
             target=self._run, name=f"taskboard-lease-{task.id}", daemon=True
         )
@@ -1144,11 +1147,19 @@ class Lease:
         return self._lost.wait(timeout)
 
     def stop(self) -> None:
-        """Stop heartbeating (without touching the task) and wait for the thread to end."""
-        self._stopping.set()
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        """Stop heartbeating (without touching the task) and wait for the thread to end.
+        For good: a finishing call that is refused afterwards does not start it again."""
+        with self._control:
+            self._stopped = True
+        self._halt()
+
+    def _halt(self) -> None:
+        with self._control:
+            self._stopping.set()
+            self._wake.set()
+            thread = self._thread
+        if thread.is_alive() and threading.current_thread() is not thread:
+            thread.join()
 
     def heartbeat(self, progress: Any = None) -> Task:
         """Heartbeat now, reporting ``progress`` (any JSON value)."""
@@ -1231,7 +1242,7 @@ class Lease:
         try:
             if progress and self._unsent_progress()[1]:
                 # Let a heartbeat in flight land first, so the progress goes out once.
-                self.stop()
+                self._halt()
                 self._send_progress()
             task = call()
         except LeaseLost as exc:
@@ -1247,18 +1258,20 @@ class Lease:
         return task
 
     def _resume(self) -> None:
-        """Heartbeat again after a finishing call that did not finish the task."""
-        self.stop()
-        if self.lost:
-            return
-        self._finished = False
-        self._stopping.clear()
-        self._wake.clear()
-        self._thread = threading.Thread(
-            target=self._run, name=f"taskboard-lease-{self.task.id}", daemon=True
-        )
-        if self._started:
-            self._thread.start()
+        """Heartbeat again after a finishing call that did not finish the task (unless
+        the lease was lost, or stopped for good meanwhile)."""
+        self._halt()
+        with self._control:
+            if self.lost or self._stopped:
+                return
+            self._finished = False
+            self._stopping.clear()
+            self._wake.clear()
+            self._thread = threading.Thread(
+                target=self._run, name=f"taskboard-lease-{self.task.id}", daemon=True
+            )
+            if self._started:
+                self._thread.start()
 
     def _send_progress(self) -> None:
         """Send the progress not sent yet, if any, with a heartbeat of its own."""

@@ -651,6 +651,29 @@ def test_the_lease_is_lost_at_the_attempt_deadline_however_often_it_heartbeats(
         board.complete(task, result="too late")
 
 
+@live
+def test_a_refused_finish_keeps_the_lease_alive_unless_it_was_stopped(board: Client) -> None:
+    """A complete the server refuses for its body finishes nothing: the heartbeats go on,
+    so the holder can send a corrected one. After stop(), they stay stopped."""
+    board.create("retry", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=2)
+    lease = board.lease(task).start()
+    with pytest.raises(ValidationError):
+        lease.fail("   ")
+    assert not lease.finished
+    time.sleep(3)  # past the lease: only the heartbeats keep it
+    assert not lease.lost
+    assert lease.complete(result="ok").status == "done"
+
+    board.create("stopped", queue="q")
+    [task] = board.claim(queues=["q"], lease_seconds=2)
+    lease = board.lease(task).start()
+    lease.stop()
+    with pytest.raises(ValidationError):
+        lease.fail("   ")
+    assert not lease._thread.is_alive(), "stopped heartbeats started again"
+
+
 # -- The stream --------------------------------------------------------------------------
 
 
