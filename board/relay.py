@@ -406,10 +406,13 @@ class Relay:
             self._deliveries_made()
             if self.reconnects:
                 self._credentials_changed("")
-                before = self.credential_changes or {}
-                for user_id, count in changes.items():
-                    if before.get(user_id) != count:
-                        self._credentials_changed(str(user_id))
+                # Without an earlier reading (the first connection failed before it was
+                # kept) there is nothing to compare: "" above is all that can be said.
+                before = self.credential_changes
+                if before is not None:
+                    for user_id, count in changes.items():
+                        if before.get(user_id) != count:
+                            self._credentials_changed(str(user_id))
             self.credential_changes = changes
             logger.info("relay: listening (backend %s) from %s", self.backend_pid, self.head)
             idle_until = time.monotonic() + self.IDLE_READ_SECONDS
