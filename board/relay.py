@@ -426,6 +426,7 @@ class Relay:
                 if self.unread:
                     timeout = min(timeout, max(idle_until - time.monotonic(), 0.0))
                 notified = False
+                heard: list[int] = []  # users whose change of credentials was announced
                 async for notify in conn.notifies(timeout=timeout, stop_after=1):
                     if notify.channel == CHANNEL:
                         notified = True
@@ -435,8 +436,12 @@ class Relay:
                         self._deliveries_made()
                     elif notify.channel == CREDENTIALS_CHANNEL:
                         self._credentials_changed(notify.payload)
+                        if notify.payload.isascii() and notify.payload.isdigit():
+                            heard.append(int(notify.payload))
                     elif notify.channel == AUTH_FAILURE_CHANNEL:
                         self._auth_failed(notify.payload)
+                if heard:
+                    await self._heard_credential_changes(conn, heard)
                 if not self.wanted() and time.monotonic() < idle_until:
                     # Nobody in this process needs these events yet: leave them for the
                     # next read (see IDLE_READ_SECONDS and current()).
@@ -452,6 +457,20 @@ class Relay:
                     held_back = await self._catch_up(conn)
                 idle_until = time.monotonic() + self.IDLE_READ_SECONDS
                 await self._lead(conn)
+
+    async def _heard_credential_changes(
+        self, conn: psycopg.AsyncConnection[Any], users: list[int]
+    ) -> None:
+        """Take the counts of changes of ``users``, whose changes were just announced and
+        acted on, as known, so that the next reconnect does not act on them again. (A
+        count may already include a later change: its own announcement follows.)"""
+        if self.credential_changes is None:
+            return
+        cur = await self._execute(
+            conn, QUERIES["credential_changes_of"], {"users": sorted(set(users))}
+        )
+        for row in await cur.fetchall():
+            self.credential_changes[row["user_id"]] = row["changes"]
 
     async def _end_previous_sessions(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Remember this session; end this relay's earlier ones if the database still has them.

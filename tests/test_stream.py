@@ -508,6 +508,44 @@ def test_the_relay_reconnects_at_once_after_every_loss_of_a_healthy_connection()
     assert max(delays) < 1.5, f"reconnect delays: {[round(d, 2) for d in delays]}"
 
 
+def test_a_change_the_relay_heard_is_not_acted_on_again_when_it_reconnects() -> None:
+    """A reconnecting relay acts on the users whose count of changes moved since it last
+    read them (migration 0015); a change it heard and acted on meanwhile is not one."""
+    from access import tokens
+
+    user = UserFactory(username="heard-once")
+    TokenFactory(user=user)
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    heard: list[int | None] = []
+    relay.credential_listeners.add(heard.append)
+    background.run(relay.start())
+    try:
+        deadline = time.monotonic() + 10
+        while not relay.connected.is_set():
+            assert time.monotonic() < deadline, "the relay did not connect"
+            time.sleep(0.01)
+        tokens.issue(user)
+        deadline = time.monotonic() + 5
+        while user.pk not in heard:
+            assert time.monotonic() < deadline, "the change was not heard"
+            time.sleep(0.01)
+        time.sleep(0.3)  # the relay reads the user's count after acting on the change
+        heard.clear()
+
+        pid = relay.backend_pid
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        while not (relay.connected.is_set() and relay.backend_pid != pid):
+            assert time.monotonic() < deadline + 10, "the relay did not reconnect"
+            time.sleep(0.01)
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+    assert heard == [None]
+
+
 def test_a_database_url_that_names_its_sessions_still_streams(
     server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

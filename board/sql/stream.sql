@@ -94,3 +94,7 @@ SELECT txid::text AS txid, id FROM task_events WHERE id = %(id)s;
 -- connects again compares them with what it read before, to learn whose changed while it
 -- could not hear the notifications.
 SELECT user_id, changes FROM credential_changes;
+
+-- name: credential_changes_of
+-- The same for the users whose changes were just announced (and acted on).
+SELECT user_id, changes FROM credential_changes WHERE user_id = ANY(%(users)s::bigint[]);
