@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import shutil
 import signal
@@ -30,10 +31,31 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+import uvicorn.protocols.http.httptools_impl
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools, as uvicorn picks by default), whose answer
+    to a request it cannot parse (a control character in a header, say) is the API's JSON
+    error, as every other error body is, rather than uvicorn's plain text: uvicorn has no
+    setting for that body."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": "invalid", "detail": msg}).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n",
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join([*head, body]))
+        self.transport.close()
 
 
 class Config(uvicorn.Config):

@@ -70,3 +70,35 @@ def test_serve_runs_a_process_per_cpu_it_may_use_unless_told(
 
     monkeypatch.setenv("WEB_CONCURRENCY", "3")
     assert default_workers() == 3
+
+
+@pytest.mark.django_db
+def test_a_request_the_server_cannot_parse_gets_the_apis_json_error(tmp_path: Path) -> None:
+    """A header with a control character never reaches Django: uvicorn refuses it, and
+    its answer is the contract's JSON error too, not plain text."""
+    import json
+    import socket
+
+    from tests.processes import tests_database_url
+
+    server = ServeProcess(
+        tmp_path / "serve.log", "--workers", "1", env={"DATABASE_URL": tests_database_url()}
+    )
+    try:
+        server.wait_healthy()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /api/v1/tasks/ HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Idempotency-Key: k\x7f\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 2\r\n\r\n{}"
+            )
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+    finally:
+        server.stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)
+    assert error["error"] == "invalid" and error["detail"], error

@@ -99,6 +99,7 @@ class Command(BaseCommand):
             log_level=os.environ.get("LOG_LEVEL", "info").lower(),
             proxy_headers=True,
             server_header=False,
+            http=server.HttpToolsProtocol,
         )
         try:
             server.run(config)
