@@ -89,10 +89,14 @@ depends_on for tasks that must be done first), and get_task or list_tasks to loo
 # refuses (Session.held): no lease is ever given this token.
 NOBODYS_TOKEN = "not-held-by-this-session"
 
-LOST = (
-    "lease_lost: you no longer hold task {task_id}. {detail} Stop working on it: anything "
-    "you send about it will be refused."
-)
+
+def _lost(task_id: int, detail: str) -> ToolError:
+    """The tool error for a task this session does not, or no longer, hold."""
+    stop = "" if "Stop working on it" in detail else " Stop working on it."
+    return ToolError(
+        f"lease_lost: you no longer hold task {task_id}. {detail}{stop} Anything you send "
+        "about it will be refused."
+    )
 
 
 def _public(task: Task) -> dict[str, Any]:
@@ -118,8 +122,8 @@ def _event(event: Event) -> dict[str, Any]:
 
 def _refusal(exc: TaskboardError) -> ToolError:
     """The API's refusal as a tool error the model can read: code, then detail."""
-    if isinstance(exc, LeaseLost):
-        return ToolError(f"{exc.code}: {exc.detail} Stop working on this task.")
+    if isinstance(exc, LeaseLost) and "Stop working on it" not in exc.detail:
+        return ToolError(f"{exc.code}: {exc.detail} Stop working on it.")
     # The API's detail of an invalid request already names each field and what is wrong.
     return ToolError(f"{exc.code}: {exc.detail}")
 
@@ -150,25 +154,19 @@ class Session:
             lease.release()
         except TaskboardError:
             lease.stop()  # it runs out instead
-        raise ToolError(
-            LOST.format(task_id=task.id, detail="This session ended; the task was released.")
-        )
+        raise _lost(task.id, "This session ended; the task was released.")
 
     def lease(self, task_id: int) -> Lease:
         """The live lease on ``task_id``, or a tool error that says it is not held."""
         with self._lock:
             lease = self.leases.get(task_id)
         if lease is None:
-            raise ToolError(
-                LOST.format(
-                    task_id=task_id, detail="This session did not claim it, or has ended it."
-                )
-            )
+            raise _lost(task_id, "This session did not claim it, or has ended it.")
         if lease.lost:
             self.forget(task_id)
             error = lease.error
             detail = error.detail if error is not None else "Its attempt deadline passed."
-            raise ToolError(LOST.format(task_id=task_id, detail=detail))
+            raise _lost(task_id, detail)
         return lease
 
     def forget(self, task_id: int) -> None:
@@ -188,8 +186,8 @@ class Session:
         try:
             unheld(NOBODYS_TOKEN)
         except LeaseLost as exc:
-            detail = f"{exc.detail} This session did not claim it, or has ended it."
-            raise ToolError(LOST.format(task_id=task_id, detail=detail)) from exc
+            detail = f"This session did not claim it, or has ended it. {exc.detail}"
+            raise _lost(task_id, detail) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
         return self.lease(task_id)  # never accepted; if it were, still not held here
@@ -204,7 +202,7 @@ class Session:
         try:
             return _public(action(lease))
         except LeaseLost as exc:
-            raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
+            raise _lost(task_id, exc.detail) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
         finally:
@@ -365,7 +363,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
                 return _public(lease.heartbeat(progress))
             except LeaseLost as exc:
                 session.forget(task_id)
-                raise ToolError(LOST.format(task_id=task_id, detail=exc.detail)) from exc
+                raise _lost(task_id, exc.detail) from exc
 
         return await _call(beat)
 

@@ -218,7 +218,7 @@ def test_a_model_works_a_task_for_longer_than_its_lease_and_completes_it(
             again = await session.call_tool("complete_task", {"task_id": task.pk})
             assert again.is_error
             assert "lease_lost: " in text_of(again)
-            assert "Stop working" in text_of(again)
+            assert text_of(again).count("Stop working on it") == 1, text_of(again)
 
             history = await call(session, "get_task", task_id=task.pk)
             types = [event["type"] for event in history["events"]]
@@ -283,6 +283,7 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
                     refused = await session.call_tool(tool, {"task_id": task_id, **extra})
                     assert refused.is_error, (tool, task_id)
                     assert code in text_of(refused), (tool, text_of(refused))
+                    assert text_of(refused).count("Stop working on it") <= 1, text_of(refused)
 
     run(test)
 
