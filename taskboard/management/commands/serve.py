@@ -25,8 +25,9 @@ class Command(BaseCommand):
     help = "Apply migrations, then serve the board, the API and the admin (ASGI, uvicorn)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        # Empty variables count as unset, as WEB_CONCURRENCY below and settings' env_int.
+        parser.add_argument("--host", default=os.environ.get("HOST") or "127.0.0.1")
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or "8000"))
         parser.add_argument(
             "--workers",
             type=int,
@@ -96,7 +97,7 @@ class Command(BaseCommand):
             lifespan="on",
             # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
-            log_level=os.environ.get("LOG_LEVEL", "info").lower(),
+            log_level=(os.environ.get("LOG_LEVEL") or "info").lower(),
             proxy_headers=True,
             server_header=False,
             http=server.HttpToolsProtocol,
