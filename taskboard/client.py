@@ -343,7 +343,9 @@ class Event:
     """One entry of the append-only audit log.
 
     ``stream_id`` is the SSE ``id:`` it came with (events read from the stream only): pass
-    it to :meth:`Client.stream` as ``last_event_id`` to resume after it.
+    it to :meth:`Client.stream` as ``last_event_id`` to resume after it. ``task`` is the
+    task as it was right after the event (events read from the stream only; None when a
+    later event of the task had already committed, which then carries it).
     """
 
     id: int
@@ -354,6 +356,7 @@ class Event:
     payload: dict[str, Any]
     created_at: datetime
     stream_id: str | None = None
+    task: Task | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], stream_id: str | None = None) -> Event:
@@ -366,6 +369,7 @@ class Event:
             payload=data.get("payload") or {},
             created_at=datetime.fromisoformat(data["created_at"]),
             stream_id=stream_id,
+            task=Task.from_json(data["task"]) if data.get("task") else None,
         )
 
 

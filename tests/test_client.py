@@ -719,6 +719,9 @@ def test_the_stream_yields_events_and_resumes_after_a_dropped_connection(
         assert (seen.type, seen.status, seen.actor) == ("created", "pending", "agent-smith")
         assert seen.payload["title"] == "watched"
         assert seen.stream_id
+        # The task as it is right after the event, as the stream sends it.
+        assert seen.task is not None
+        assert (seen.task.id, seen.task.status, seen.task.title) == (task.id, "pending", "watched")
 
         first.stop()  # the connection drops; these happen while nobody serves the stream
         [claim] = transitions.claim(actor=agent, queues=["q"])
@@ -729,6 +732,8 @@ def test_the_stream_yields_events_and_resumes_after_a_dropped_connection(
                 (task.id, "claimed"),
                 (task.id, "completed"),
             ]
+            # A replayed event whose task has a later event carries no task: the later does.
+            assert [e.task.status if e.task else None for e in missed] == [None, "done"]
             assert [e.id for e in missed] == [e.id for e in watcher.iter_events(after=seen.id)]
             with pytest.raises(queue.Empty):
                 stream.events.get(timeout=0.3)  # nothing twice
