@@ -430,12 +430,25 @@ RESOLVE_FROM = (TaskStatus.ESCALATED,)
 CANCEL_FROM = (TaskStatus.PENDING, TaskStatus.ESCALATED)
 
 
-def requeue(*, task_id: int, actor: Actor, note: str | None = None) -> Task:
-    """Put an escalated, done or cancelled task back to pending with its strikes reset."""
+def requeue(
+    *,
+    task_id: int,
+    actor: Actor,
+    note: str | None = None,
+    from_statuses: Sequence[str] = REQUEUE_FROM,
+) -> Task:
+    """Put an escalated, done or cancelled task back to pending with its strikes reset.
+
+    ``from_statuses`` narrows the statuses it applies to, checked under the task's row lock:
+    the escalation queue passes only escalated, so that a requeue racing another human's
+    resolve or cancel does not undo it.
+    """
+    allowed = _narrowed(from_statuses, REQUEUE_FROM)
+    params = {"task_id": task_id, "actor": _username(actor), "note": note, "from": list(allowed)}
     with transaction.atomic():
-        rows = _rows("requeue", {"task_id": task_id, "actor": _username(actor), "note": note})
+        rows = _rows("requeue", params)
         if not rows:
-            raise InvalidTransition(task_id, _current_status(task_id), "requeue", REQUEUE_FROM)
+            raise InvalidTransition(task_id, _current_status(task_id), "requeue", allowed)
         if rows[0]["previous_status"] == TaskStatus.DONE and rows[0]["has_dependents"]:
             # Open again: the tasks that depend on it wait for it again.
             _rows("reblock_dependents", {"task_id": task_id})
@@ -458,9 +471,31 @@ def resolve(*, task_id: int, actor: Actor, note: str | None = None, result: Any 
     return task
 
 
-def cancel(*, task_id: int, actor: Actor, note: str | None = None) -> Task:
-    """Withdraw a pending or escalated task."""
-    return _human_transition("cancel", task_id=task_id, actor=actor, allowed=CANCEL_FROM, note=note)
+def cancel(
+    *,
+    task_id: int,
+    actor: Actor,
+    note: str | None = None,
+    from_statuses: Sequence[str] = CANCEL_FROM,
+) -> Task:
+    """Withdraw a pending or escalated task (``from_statuses``: only those, as for
+    :func:`requeue`)."""
+    allowed = _narrowed(from_statuses, CANCEL_FROM)
+    return _human_transition(
+        "cancel",
+        task_id=task_id,
+        actor=actor,
+        allowed=allowed,
+        note=note,
+        **{"from": list(allowed)},
+    )
+
+
+def _narrowed(statuses: Sequence[str], allowed: Sequence[str]) -> tuple[str, ...]:
+    """``statuses`` as a tuple, if every one is among ``allowed``."""
+    if not statuses or not set(statuses) <= set(allowed):
+        raise ValueError(f"{list(statuses)} is not a part of {list(allowed)}")
+    return tuple(str(status) for status in statuses)
 
 
 def comment(*, task_id: int, actor: Actor, body: str) -> TaskEvent:

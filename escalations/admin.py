@@ -10,6 +10,7 @@ the work graph: what it depends on, what waits for it, and its progress.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from board.access import queue_access
 from board.admin import ReadOnlyTaskAdmin
 from board.exceptions import InvalidTransition, TaskNotFound
 from board.forms import CommentForm
-from board.models import Task
+from board.models import Task, TaskStatus
 from escalations.models import TRIAGE_PERMISSION, EscalatedTask
 
 
@@ -71,12 +72,25 @@ class Triage:
     form_class: type[forms.Form] | None = None
 
 
-REQUEUE = Triage("requeue", "Requeue", "Requeued", transitions.requeue, transitions.REQUEUE_FROM)
-RESOLVE = Triage(
-    "resolve", "Resolve", "Resolved", transitions.resolve, transitions.RESOLVE_FROM, ResolveForm
+# The queue's ways out apply to escalated tasks only, checked by the transition under the
+# task's lock: two humans acting on one task at once, the second finds it gone from the
+# queue (a requeue would otherwise undo a resolve or cancel made a moment before).
+ESCALATED = (TaskStatus.ESCALATED,)
+REQUEUE = Triage(
+    "requeue",
+    "Requeue",
+    "Requeued",
+    functools.partial(transitions.requeue, from_statuses=ESCALATED),
+    ESCALATED,
 )
+RESOLVE = Triage("resolve", "Resolve", "Resolved", transitions.resolve, ESCALATED, ResolveForm)
 CANCEL = Triage(
-    "cancel", "Cancel", "Cancelled", transitions.cancel, transitions.CANCEL_FROM, NoteForm
+    "cancel",
+    "Cancel",
+    "Cancelled",
+    functools.partial(transitions.cancel, from_statuses=ESCALATED),
+    ESCALATED,
+    NoteForm,
 )
 
 

@@ -1137,3 +1137,46 @@ def test_every_admin_page_and_the_old_favicon_address_lead_to_the_boards_icon(
     assert legacy.status_code == 301
     assert served.status_code == 200
     assert served["Content-Type"].startswith("image/svg+xml")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("first", "second"), [("resolve", "requeue"), ("cancel", "requeue"), ("requeue", "cancel")]
+)
+def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
+    first: str, second: str, triager: Any, staff: Any, escalated: Callable[..., Task]
+) -> None:
+    """Two humans on one escalated task at once: one resolves, cancels or requeues it while
+    the other's queue action waits for the task's row. The second then finds it no longer
+    escalated, as the escalation queue offers it, rather than reopening a settled task or
+    cancelling one just sent back to work."""
+    import threading
+
+    from django.db import transaction
+
+    from escalations.admin import CANCEL, REQUEUE
+
+    task = escalated()
+    triage = {"requeue": REQUEUE, "cancel": CANCEL}[second]
+    outcome: list[Any] = []
+
+    def second_human() -> None:
+        try:
+            outcome.append(triage.transition(task_id=task.pk, actor=triager))
+        except Exception as exc:  # the refusal is what the test looks at
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        getattr(transitions, first)(task_id=task.pk, actor=staff, note="first")
+        waiting = threading.Thread(target=second_human)
+        waiting.start()
+        waiting.join(timeout=1)
+        assert waiting.is_alive(), "it did not wait for the first human's lock"
+    waiting.join(timeout=10)
+
+    [refused] = outcome
+    assert isinstance(refused, transitions.InvalidTransition), refused
+    expected = {"resolve": "resolved", "cancel": "cancelled", "requeue": "requeued"}[first]
+    assert [kind for kind, _, _ in history(task.pk)][-1] == expected

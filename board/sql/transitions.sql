@@ -355,9 +355,12 @@ SELECT * FROM task;
 
 -- name: requeue
 -- A human puts a finished, cancelled or escalated task back to pending with its strikes reset.
+-- %(from)s: the statuses it applies to (some of escalated, done and cancelled), checked
+-- under the row's lock: a requeue that waited for another human's resolve sees its result.
 WITH previous AS (
     SELECT id, status FROM tasks
-    WHERE id = %(task_id)s AND status IN ('escalated', 'done', 'cancelled')
+    WHERE id = %(task_id)s AND status = ANY(%(from)s::text[])
+      AND status IN ('escalated', 'done', 'cancelled')
     FOR UPDATE
 ), task AS (
     UPDATE tasks t SET
@@ -394,10 +397,11 @@ WITH task AS (
 SELECT * FROM task;
 
 -- name: cancel
--- A human withdraws a pending or escalated task.
+-- A human withdraws a pending or escalated task (%(from)s: some of those, as for requeue).
 WITH previous AS (
     SELECT id, status FROM tasks
-    WHERE id = %(task_id)s AND status IN ('pending', 'escalated')
+    WHERE id = %(task_id)s AND status = ANY(%(from)s::text[])
+      AND status IN ('pending', 'escalated')
     FOR UPDATE
 ), task AS (
     UPDATE tasks t SET status = 'cancelled', updated_at = now()
