@@ -84,6 +84,13 @@ class QueueAccess:
             return queryset
         return queryset.filter(**{f"{field}__in": sorted(self.queues)})
 
+    def visible_webhooks(self, queryset: models.QuerySet[M]) -> models.QuerySet[M]:
+        """Return the webhooks of ``queryset`` that send nothing but this user's queues'
+        events (a webhook without queues sends every queue's)."""
+        if self.queues is None:
+            return queryset
+        return queryset.filter(queues__len__gt=0, queues__contained_by=sorted(self.queues))
+
 
 EVERY_QUEUE = QueueAccess()
 

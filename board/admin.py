@@ -23,7 +23,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, QuerySet
+from django.db.models import Count, Exists, OuterRef, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -417,6 +417,10 @@ class WebhookAdmin(ReadOnlyAdmin):
     )
     fields = readonly_fields
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # Staff limited to queues see only the webhooks of their queues, as in the API.
+        return queue_access(request.user).visible_webhooks(super().get_queryset(request))
+
     @admin.display(description="events")
     def event_types(self, webhook: Webhook) -> str:
         return ", ".join(webhook.events)
@@ -470,12 +474,23 @@ class DeliveryAdmin(ReadOnlyAdmin):
     horizon."""
 
     list_display = DELIVERY_COLUMNS
-    list_filter = ["status", "webhook"]
+    # Only the webhooks of the deliveries this user may see (a limited user's queues).
+    list_filter = ["status", ("webhook", admin.RelatedOnlyFieldListFilter)]
     list_select_related = ["webhook"]
     ordering = ["-id"]
     actions = [retry]
     readonly_fields = (*DELIVERY_COLUMNS[1:], "leased_until", "armed_at", "created_at")
     fields = readonly_fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # Staff limited to queues see (and retry) only the deliveries of their queues' tasks.
+        # (A delivery has no foreign key to its task: the log may be archived.)
+        access = queue_access(request.user)
+        deliveries = super().get_queryset(request)
+        if not access.limited:
+            return deliveries
+        tasks = access.visible(Task.objects.filter(pk=OuterRef("task_id")))
+        return deliveries.filter(Exists(tasks))
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
         """Return whether the user may retry deliveries: staff, as for webhooks in the API."""

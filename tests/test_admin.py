@@ -769,6 +769,49 @@ def test_staff_limited_to_queues_see_only_their_queues_in_the_task_and_event_lis
     )
 
 
+def test_staff_limited_to_queues_see_and_retry_only_their_queues_webhooks_and_deliveries(
+    escalated: Callable[..., Task], staff: Any
+) -> None:
+    """As in the API (webhooks/): a webhook of every queue, or of another, is not theirs,
+    nor is a delivery of another queue's task."""
+    from board.models import Delivery, Webhook
+
+    def hook(queues: list[str] | None) -> Webhook:
+        return transitions.create_webhook(
+            actor=staff,
+            url="https://example.com/hook",
+            events=["escalated"],
+            queues=queues,
+            secret="s" * 32,
+        )
+
+    every, ours_hook, theirs_hook = hook(None), hook(["ours"]), hook(["theirs"])
+    ours, theirs = escalated(queue="ours"), escalated(queue="theirs")
+    Delivery.objects.update(status="failed", next_attempt_at=None)
+    staff.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_webhook", "view_delivery"])
+    )
+    limit_queues(staff, ["ours"])
+    client = logged_in(staff)
+
+    webhooks = client.get(reverse("admin:board_webhook_changelist"))
+    assert [w.pk for w in webhooks.context["cl"].result_list] == [ours_hook.pk]
+    for hidden in (every, theirs_hook):
+        page = client.get(reverse("admin:board_webhook_change", args=[hidden.pk]))
+        assert page.status_code == 302
+    deliveries = client.get(reverse("admin:board_delivery_changelist"))
+    assert {d.task_id for d in deliveries.context["cl"].result_list} == {ours.pk}
+    their_deliveries = list(Delivery.objects.filter(task_id=theirs.pk).values_list("pk", flat=True))
+    response = client.post(
+        reverse("admin:board_delivery_changelist"),
+        {"action": "retry", "index": 0, "_selected_action": their_deliveries},
+    )
+    assert response.status_code in (200, 302)
+    assert set(Delivery.objects.filter(task_id=theirs.pk).values_list("status", flat=True)) == {
+        "failed"
+    }
+
+
 # -- The escalated task's work graph, progress and comments -----------------------------
 
 

@@ -588,12 +588,7 @@ class WebhookViewSet(BoardViewSet):
     def get_queryset(self) -> QuerySet[Any]:
         # Staff see every webhook; staff limited to queues (board.access), only those that
         # send nothing but their own queues' events, as for tasks and events themselves.
-        webhooks = self.queryset.all()
-        if self.access.limited:
-            webhooks = webhooks.filter(
-                queues__len__gt=0, queues__contained_by=sorted(self.access.queues or ())
-            )
-        return webhooks
+        return self.access.visible_webhooks(self.queryset.all())
 
     @extend_schema(
         operation_id="webhooks_list",
