@@ -59,6 +59,15 @@ class ResolveForm(NoteForm):
         help_text="Optional JSON, stored as the task's result.",
     )
 
+    def clean_result(self) -> Any:
+        """Refuse what the API refuses and jsonb cannot store (a NUL in a string, say)."""
+        from board.api.serializers import storable_json_error
+
+        result = self.cleaned_data.get("result")
+        if error := storable_json_error(result):
+            raise forms.ValidationError(error)
+        return result
+
 
 @dataclass(frozen=True)
 class Triage:

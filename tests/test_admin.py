@@ -327,8 +327,10 @@ def test_resolve_without_a_result_stores_none(
     [
         ("fixed", "{not json", "result"),
         ("", '{"ok": true}', "note"),
+        ("fixed", '{"a": "\\u0000"}', "result"),
+        ("fixed", '{"\\u0000": 1}', "result"),
     ],
-    ids=["invalid-json", "no-note"],
+    ids=["invalid-json", "no-note", "nul-in-a-string", "nul-in-a-key"],
 )
 def test_resolve_shows_the_form_again_with_the_error_and_changes_nothing(
     triager_client: Client, escalated: Callable[..., Task], note: str, result: str, field: str
@@ -1223,3 +1225,15 @@ def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
     assert isinstance(refused, transitions.InvalidTransition), refused
     expected = {"resolve": "resolved", "cancel": "cancelled", "requeue": "requeued"}[first]
     assert [kind for kind, _, _ in history(task.pk)][-1] == expected
+
+
+def test_a_nul_character_in_an_admin_url_or_filter_is_a_400_not_a_500(
+    triager_client: Client,
+) -> None:
+    for url in (
+        f"{QUEUE_URL}?queue=%00",
+        reverse("admin:board_task_changelist") + "?queue=a%00b",
+        "/admin/board/queuestate/a%00b/change/",
+    ):
+        assert triager_client.get(url).status_code == 400, url
+    assert triager_client.get(f"{QUEUE_URL}?queue=ok").status_code == 200
