@@ -97,6 +97,7 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "board.middleware.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS; 308 to slash
+    "board.middleware.NulCharacterMiddleware",
     "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",

@@ -122,19 +122,19 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 # Paths whose clients read JSON: a 404 there is the contract's error body.
-_JSON_PATHS = ("/api/", "/healthz")
+JSON_PATHS = ("/api/", "/healthz")
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """handler404: the JSON error under /api/ and /healthz, an HTML page everywhere else."""
-    if request.path.startswith(_JSON_PATHS):
+    if request.path.startswith(JSON_PATHS):
         return error_response(404, "not_found", f"Nothing is served at {request.path}.")
     return render(request, "404.html", {"request_path": request.path}, status=404)
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
     """handler500: the JSON error under /api/ and /healthz, a plain HTML page elsewhere."""
-    if request.path.startswith(_JSON_PATHS):
+    if request.path.startswith(JSON_PATHS):
         return error_response(500, "server_error", "The server failed to handle this request.")
     # No template rendering here: whatever failed may fail again while rendering.
     return HttpResponse(
@@ -145,12 +145,12 @@ def server_error(request: HttpRequest) -> HttpResponse:
 
 
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(_JSON_PATHS):
+    if request.path.startswith(JSON_PATHS):
         return error_response(400, "invalid", "The request could not be understood.", fields={})
     return HttpResponse("<!doctype html><h1>Bad request</h1>", status=400)
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(_JSON_PATHS):
+    if request.path.startswith(JSON_PATHS):
         return error_response(403, "permission_denied", "You may not do this.")
     return render(request, "403.html", status=403)
