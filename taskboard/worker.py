@@ -59,6 +59,7 @@ from taskboard.client import (
     PermissionDenied,
     TaskboardError,
     Throttled,
+    Unavailable,
     ValidationError,
 )
 
@@ -675,7 +676,7 @@ class Worker:
         try:
             if outcome == "done":
                 try:
-                    lease.complete(result)
+                    self._complete(lease, result)
                 except (ValidationError, PayloadTooLarge) as exc:
                     # The lease is still ours: a result the server refuses is a failure.
                     error = f"exit status 0, but the result was refused: {exc}"
@@ -696,6 +697,51 @@ class Worker:
             self.display.log(f"task {task_id}: could not report it: {exc}")
             return "lost"
         return outcome
+
+    def _complete(self, lease: Lease, result: Any) -> None:
+        """Complete the task, trying again while the board does not answer (a restart, a
+        dropped connection), for as long as the lease lasts: the lease heartbeats again
+        meanwhile (taskboard.client.Lease), so the task stays ours. A complete whose answer
+        was lost may have taken effect; if so, the next one (or a heartbeat) is refused
+        ``lease_lost``, and the task itself shows it done by this agent.
+        """
+        pause = 1.0
+        unanswered: Unavailable | None = None
+        while True:
+            try:
+                lease.complete(result)
+                return
+            except Unavailable as exc:
+                unanswered = exc
+                if not lease.lost:
+                    self.display.log(
+                        f"task {lease.task.id}: could not report it ({exc}); "
+                        f"trying again in {pause:g} s"
+                    )
+                    time.sleep(pause)
+                    pause = min(pause * 2, 30.0)
+                    continue
+            except LeaseLost:
+                if unanswered is None:
+                    raise
+            # Refused lease_lost, or the lease lost, after a complete that went unanswered.
+            if self._completed_by_this_agent(lease.task):
+                return
+            raise LeaseLost(f"The lease was lost before the complete got through ({unanswered}).")
+
+    def _completed_by_this_agent(self, task: ClaimedTask) -> bool:
+        """Whether ``task`` is done, by a complete of this agent since its claim (one whose
+        answer was lost on the way)."""
+        try:
+            if self.client.get(task.id).status != "done":
+                return False
+            completed = self.client.events(task=task.id, type="completed", limit=1000).results
+        except TaskboardError:
+            return False
+        if not completed or completed[-1].actor != task.leased_by:
+            return False
+        started = task.attempt_started_at
+        return started is None or completed[-1].created_at >= started
 
     def _fail(self, lease: Lease, error: str) -> str:
         """Fail the task (due again after the retry delay); return what became of it."""

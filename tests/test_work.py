@@ -3,12 +3,14 @@ subprocess without Django settings, against a live server, running real commands
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -673,3 +675,86 @@ def test_taskboard_help_names_the_agent_commands_and_the_server_commands() -> No
     assert done.returncode == 0, done.stderr
     for name in ("work", "submit", "tasks", "createsuperuser", "create_agent", "serve"):
         assert f" {name}" in done.stdout
+
+
+class AnswerLostProxy:
+    """A TCP proxy to a server that forwards everything, except that the answer to the
+    first complete never arrives: once the server has answered it (the task is done),
+    the proxy resets the client's connection, as a server restarting under it can."""
+
+    def __init__(self, upstream: LiveServer) -> None:
+        import socket
+
+        self.upstream_port = int(upstream.url.rsplit(":", 1)[1])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: Any) -> None:
+        import socket
+        import struct
+
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        cutting = threading.Event()
+
+        def up() -> None:
+            with contextlib.suppress(OSError):
+                while data := client.recv(65536):
+                    if not self.cut.is_set() and b"/complete/ HTTP" in data:
+                        self.cut.set()
+                        cutting.set()
+                    upstream.sendall(data)
+
+        threading.Thread(target=up, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if cutting.is_set():  # the server has answered the complete: lose it
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    break
+                client.sendall(data)
+        for end in (client, upstream):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)  # wakes the other thread's recv
+            end.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@live
+def test_a_complete_whose_answer_was_lost_is_not_lost(
+    server: LiveServer, token: str, agent: Any, tmp_path: Path
+) -> None:
+    """The complete reached the server, but its answer did not reach the worker (the
+    connection reset, as when a server restarts): the worker tries again while its lease
+    lasts, finds the task done by itself, and reports it done, rather than leaving it
+    in progress until the lease runs out and the task is done a second time."""
+    task = transitions.create(actor=agent, title="once", queue="lost-answer")
+    proxy = AnswerLostProxy(server)
+    worker = WorkerProcess(
+        proxy,
+        token,
+        tmp_path / "worker.log",
+        ["--queue", "lost-answer", "--lease", "30"],
+        python("print(42)"),
+    )
+    try:
+        eventually(lambda: f"task {task.id}: done" in worker.output, timeout=20, what="done")
+        assert proxy.cut.is_set(), "the complete's answer was never cut"
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+        proxy.close()
+    assert status_of(task.id) == "done"
+    assert event_types(task.id).count("completed") == 1
+    assert "could not report it" in worker.output
+    assert "stopped: 1 done, 0 failed" in worker.output
