@@ -46,6 +46,13 @@ class Received:
         return hmac.compare_digest(expected, fields["v1"])
 
 
+class _Server(ThreadingHTTPServer):
+    # A listen backlog for every sender at once: the stdlib's default of 5 drops the
+    # connections of a burst (40 deliveries from two servers), whose connects then time out
+    # and count as failed attempts that the receiver never saw.
+    request_queue_size = 128
+
+
 class WebhookReceiver:
     """Answers each POST with the next item of ``script`` (a status, ``("slow", seconds)``
     to answer 200 only after that long, or HOLD), then ``then`` for every later one."""
@@ -81,7 +88,7 @@ class WebhookReceiver:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = _Server(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
