@@ -63,6 +63,30 @@ def live_server(port: int | None = None) -> Iterator[LiveServer]:
         server.stop()
 
 
+@contextmanager
+def relay_cut_off(relay: Any) -> Iterator[None]:
+    """Cut ``relay`` (board.relay.Relay) off from the database and keep it from reconnecting
+    for the block, so that what is announced meanwhile is lost to it; after the block,
+    wait until it listens again on a new connection."""
+    from django.db import connection
+
+    conninfo, cut_off = relay.conninfo, relay.backend_pid
+    relay.conninfo = "host=127.0.0.1 port=1 connect_timeout=1"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
+    deadline = time.monotonic() + 5
+    while relay.connected.is_set():
+        assert time.monotonic() < deadline, "the relay did not notice"
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        relay.conninfo = conninfo
+    while not (relay.connected.is_set() and relay.backend_pid != cut_off):
+        assert time.monotonic() < deadline + 10, "the relay did not reconnect"
+        time.sleep(0.02)
+
+
 class StreamCollector:
     """Hold an SSE stream open in a thread and collect its events and comment lines."""
 

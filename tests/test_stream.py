@@ -21,7 +21,13 @@ from board import stream as stream_module
 from board import transitions
 from board.models import TaskEvent
 from tests.factories import TokenFactory, UserFactory
-from tests.live import LiveServer, StreamCollector, live_server, live_server_behind_pushpin
+from tests.live import (
+    LiveServer,
+    StreamCollector,
+    live_server,
+    live_server_behind_pushpin,
+    relay_cut_off,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -740,20 +746,8 @@ def test_a_change_made_while_the_relay_was_cut_off_ends_the_stream_once_it_liste
         assert stream.status == 200
         assert not ended_within(stream, SETTLED), "a valid token keeps its stream"
 
-        # Cut the relay off, and keep it from reconnecting until the change is made.
-        conninfo, cut_off = relay.conninfo, relay.backend_pid
-        relay.conninfo = "host=127.0.0.1 port=1 connect_timeout=1"
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
-        deadline = time.monotonic() + 5
-        while relay.connected.is_set():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        tokens.issue(user)
-        relay.conninfo = conninfo
-        while not (relay.connected.is_set() and relay.backend_pid != cut_off):
-            assert time.monotonic() < deadline + 10, "the relay did not reconnect"
-            time.sleep(0.02)
+        with relay_cut_off(relay):
+            tokens.issue(user)
 
         assert ended_within(stream, 3), "the stream outlived its token"
     with StreamCollector(stream_url(server), headers) as again:

@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 from access import tokens
 from access.models import ApiToken, AuthFailure
 from tests.factories import StaffFactory, TokenFactory, UserFactory
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer, live_server, relay_cut_off
 
 TOKENS_URL = reverse("admin:access_apitoken_changelist")
 
@@ -657,19 +657,7 @@ def test_failures_announced_while_the_relay_was_cut_off_still_throttle(
         assert client.get("/api/v1/tasks/").status_code == 200
         assert reads.count == 1, "not remembered"
 
-        # Cut the relay off, and keep it from reconnecting until the failures are in.
-        conninfo, cut_off = relay.conninfo, relay.backend_pid
-        relay.conninfo = "host=127.0.0.1 port=1 connect_timeout=1"
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [cut_off])
-        deadline = time.monotonic() + 5
-        while relay.connected.is_set():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        another_process_records_failures("127.0.0.1", 3)
-        relay.conninfo = conninfo
-        while not (relay.connected.is_set() and relay.backend_pid != cut_off):
-            assert time.monotonic() < deadline + 10, "the relay did not reconnect"
-            time.sleep(0.02)
+        with relay_cut_off(relay):
+            another_process_records_failures("127.0.0.1", 3)
 
         assert client.get("/api/v1/tasks/").status_code == 429
