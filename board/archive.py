@@ -24,7 +24,7 @@ Deliveries still pending (contract: "Every matching event is delivered at least 
 hold the archive back: a delivery whose event has left the log has nothing to send. Before
 anything is written, any pending delivery of an event before the boundary refuses the
 archive (DeliveriesPending); each month's drop checks again for its own events, in its
-transaction, under the locks that the drop takes (see ``_drop``).
+transaction, under the locks that the drop takes (board.transitions.drop_event_partition).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from django.db import connection, transaction
+from django.db import connection
 from django.db.models.expressions import RawSQL
 
-from board import transitions
+from board import exceptions, transitions
 from board.api.serializers import EventSerializer
 from board.models import TaskEvent, Webhook, WebhookKind
 from board.sql import QUERIES
@@ -172,32 +172,18 @@ def _refuse_pending_deliveries(boundary: datetime) -> None:
 
 
 def _drop(month: datetime, tally: Tally) -> None:
-    """Drop the month's partition (board.transitions), in one transaction with a last check
-    that no delivery of its events is pending.
-
-    The check is made under the locks that the drop takes, taken first (lock_event_log), so
-    it still holds when the partition goes: no event of the month (nor its deliveries) is
-    written meanwhile, and a staff retry of a failed delivery waits for the drop and then
-    finds its event gone (retry_deliveries). Busy locks are retried as for the drop alone.
-    """
-
-    def drop() -> None:
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute(QUERIES["lock_event_log"])
-            params = {"month": month, "next_month": _next_month(month)}
-            if pending := _pending_deliveries("pending_deliveries_of_month", params):
-                raise DeliveriesPending(
-                    f"{_how_many(pending)} of events of {month:%Y-%m} became pending since "
-                    f"the archive started ({_by_webhook(pending)}): {month:%Y-%m} and the "
-                    "months after it are still in the database, and the file is complete. "
-                    f"{UNTIL_SETTLED} Then archive again, to another file."
-                )
-            transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
-
-    # drop_event_partition retries busy locks only in a transaction of its own; this one is
-    # the archive's, so the whole transaction is retried here, by the same rule.
-    transitions._retrying_lock_timeouts(drop, attempts=20)
+    """Drop the month's partition (board.transitions), which checks, under the locks that
+    the drop takes, that no delivery of its events became pending meanwhile (a staff retry
+    of a failed one)."""
+    try:
+        transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
+    except exceptions.PendingDeliveries as exc:
+        raise DeliveriesPending(
+            f"{_how_many(exc.pending)} of events of {month:%Y-%m} became pending since the "
+            f"archive started ({_by_webhook(exc.pending)}): {month:%Y-%m} and the months after "
+            f"it are still in the database, and the file is complete. {UNTIL_SETTLED} Then "
+            "archive again, to another file."
+        ) from exc
 
 
 def _events_of(month: datetime) -> Iterator[dict[str, Any]]:

@@ -120,6 +120,18 @@ class ArchiveMismatch(BoardError):
     code = "archive_mismatch"
 
 
+class PendingDeliveries(BoardError):
+    """Deliveries of events that were to leave the log are still pending; ``pending``
+    counts them by webhook id."""
+
+    code = "deliveries_pending"
+
+    def __init__(self, pending: dict[int, int]) -> None:
+        self.pending = pending
+        total = sum(pending.values())
+        super().__init__(f"{total} deliver{'y' if total == 1 else 'ies'} still pending")
+
+
 # Names given by the migrations to the constraints and the trigger's error.
 APPEND_ONLY_CONSTRAINT = "task_events_append_only"
 ARCHIVE_VERIFIED_CONSTRAINT = "task_events_archive_verified"

@@ -55,6 +55,7 @@ from board.exceptions import (
     IdempotencyConflict,
     InvalidTransition,
     LeaseLost,
+    PendingDeliveries,
     TaskNotFound,
     translated_database_errors,
 )
@@ -631,17 +632,32 @@ def split_default_event_partition(*, before: datetime) -> list[datetime]:
 
 
 def drop_event_partition(*, month: datetime, count: int, id_sum: int) -> int:
-    """Detach and drop the partition of task_events for ``month``, in one transaction, after
-    checking under its lock that it holds exactly ``count`` events whose ids sum to
-    ``id_sum`` (what the archive file holds); return the number of events dropped.
+    """Detach and drop the partition of task_events for ``month`` (its first instant, UTC),
+    in one transaction, after checking under its lock that it holds exactly ``count``
+    events whose ids sum to ``id_sum`` (what the archive file holds) and that no delivery
+    of its events is pending; return the number of events dropped.
 
-    Raises :class:`~board.exceptions.ArchiveMismatch` (and drops nothing) when it does not.
+    Raises :class:`~board.exceptions.ArchiveMismatch` or
+    :class:`~board.exceptions.PendingDeliveries` (and drops nothing) when either fails.
+    The locks that the drop takes are taken first (lock_event_log), so that the check of
+    the deliveries still holds when the partition goes: no event of the month (nor its
+    deliveries) is written meanwhile, and a staff retry of a failed delivery waits for the
+    drop and then finds its event gone (retry_deliveries). A transaction of its own, or
+    the caller's; busy locks are retried only in its own.
     """
+    next_month = month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
 
     def drop() -> int:
         with transaction.atomic():
-            params = {"month": month, "count": count, "id_sum": id_sum}
-            return int(_query("drop_event_partition", params)[0]["dropped"])
+            with translated_database_errors(), connection.cursor() as cursor:
+                cursor.execute(QUERIES["lock_event_log"])
+            bounds = {"month": month, "next_month": next_month}
+            if pending := _query("pending_deliveries_of_month", bounds):
+                raise PendingDeliveries(
+                    {int(row["webhook_id"]): int(row["pending"]) for row in pending}
+                )
+            verified = {"month": month, "count": count, "id_sum": id_sum}
+            return int(_query("drop_event_partition", verified)[0]["dropped"])
 
     return _retrying_lock_timeouts(drop, attempts=20)
 

@@ -523,7 +523,7 @@ def test_a_staff_retry_made_during_a_drop_waits_for_it_and_rearms_nothing(
     past_event(task, month_start(2), type="escalated")
     [delivery] = Delivery.objects.all()
     attempt(delivery.pk)
-    drop = transitions.drop_event_partition
+    query = transitions._query
     retried: list[int] = []
 
     def retry() -> None:
@@ -534,16 +534,16 @@ def test_a_staff_retry_made_during_a_drop_waits_for_it_and_rearms_nothing(
 
     retrying = threading.Thread(target=retry)
 
-    def drop_while_staff_retry(**kwargs: Any) -> int:
-        # Inside the archive's transaction, after its check: the retry must wait for it.
-        # (Once: a busy lock makes the archive run its transaction again.)
-        if retrying.ident is None:
+    def drop_while_staff_retry(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        # Inside the drop's transaction, after its check: the retry must wait for it.
+        # (Once: a busy lock makes the drop run its transaction again.)
+        if name == "drop_event_partition" and retrying.ident is None:
             retrying.start()
             retrying.join(timeout=1)
             assert retrying.is_alive(), f"the retry did not wait for the drop: {retried}"
-        return drop(**kwargs)
+        return query(name, params)
 
-    monkeypatch.setattr(transitions, "drop_event_partition", drop_while_staff_retry)
+    monkeypatch.setattr(transitions, "_query", drop_while_staff_retry)
 
     call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))
 

@@ -22,31 +22,3 @@ WHERE d.status = 'pending'
               WHERE e.id = d.event_id AND e.created_at < %(before)s::timestamptz)
 GROUP BY d.webhook_id
 ORDER BY d.webhook_id;
-
--- name: pending_deliveries_of_month
--- The same for the events of the month that starts at %(month)s and ends at %(next_month)s
--- (its partition only), checked again under the locks of lock_event_log.
-SELECT d.webhook_id, count(*) AS pending
-FROM webhook_deliveries d
-WHERE d.status = 'pending'
-  AND EXISTS (SELECT 1 FROM task_events e
-              WHERE e.id = d.event_id
-                AND e.created_at >= %(month)s::timestamptz
-                AND e.created_at < %(next_month)s::timestamptz)
-GROUP BY d.webhook_id
-ORDER BY d.webhook_id;
-
--- name: lock_event_log
--- Take, first, the locks that dropping a month's partition takes (tasks, then task_events,
--- ACCESS EXCLUSIVE, in that order: migration 0011), waiting at most 200 ms for each, so
--- that this transaction's check of the month's pending deliveries still holds when the
--- partition is dropped: no event is written meanwhile (and so no delivery made), and a
--- staff retry of a failed delivery waits (retry_deliveries reads task_events). Held until
--- the transaction ends; lock_not_available is retried by the caller, as for the drop.
-DO $$
-BEGIN
-    SET LOCAL lock_timeout = '200ms';
-    LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE;
-    LOCK TABLE task_events IN ACCESS EXCLUSIVE MODE;
-END;
-$$;
