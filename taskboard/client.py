@@ -24,6 +24,7 @@ retried with bounded exponential backoff and jitter; ``4xx`` answers never are.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import random
@@ -39,6 +40,7 @@ from typing import Any, Generic, Self, TypeVar
 import httpx
 
 __all__ = [
+    "NO_LIMIT",
     "Agent",
     "AuthenticationError",
     "ClaimedTask",
@@ -50,6 +52,7 @@ __all__ = [
     "InvalidTransition",
     "Lease",
     "LeaseLost",
+    "NoLimit",
     "NotFound",
     "Page",
     "PayloadTooLarge",
@@ -70,6 +73,20 @@ STREAM_PATH = f"{API}/stream/"
 USER_AGENT = "taskboard-client/0.1"
 # Seconds the server may hold a waiting claim (the contract's maximum ``wait``).
 MAX_WAIT = 60.0
+
+
+class NoLimit(enum.Enum):
+    """The type of :data:`NO_LIMIT`."""
+
+    NO_LIMIT = "NO_LIMIT"
+
+    def __repr__(self) -> str:
+        return "NO_LIMIT"
+
+
+# ``create(max_attempt_seconds=NO_LIMIT)``: no attempt deadline, whatever the server's
+# default (the API's explicit null; None, as for every argument, leaves it out).
+NO_LIMIT = NoLimit.NO_LIMIT
 
 
 # -- Errors ------------------------------------------------------------------------------
@@ -551,14 +568,15 @@ class Client:
         run_after: datetime | str | None = None,
         depends_on: Iterable[TaskRef] | None = None,
         parent_id: TaskRef | None = None,
-        max_attempt_seconds: int | None = None,
+        max_attempt_seconds: int | NoLimit | None = None,
         idempotency_key: str | None = None,
     ) -> Task:
         """Create a pending task; what is not given gets the server's default.
 
         ``depends_on``: the (older) tasks that must be done before this one is claimable;
         ``parent_id``: the task this one is a subtask of; ``max_attempt_seconds``: how long
-        one attempt may hold it, however often it heartbeats.
+        one attempt may hold it, however often it heartbeats (:data:`NO_LIMIT`: no limit,
+        whatever the server's ``TASKBOARD_MAX_ATTEMPT_SECONDS``).
 
         Every create sends an ``Idempotency-Key``: ``idempotency_key``, or a fresh random
         one for this call. Its retries send the same key, so a create whose answer was
@@ -579,6 +597,8 @@ class Client:
             parent_id=_task_id(parent_id) if parent_id is not None else None,
             max_attempt_seconds=max_attempt_seconds,
         )
+        if max_attempt_seconds is NO_LIMIT:
+            body["max_attempt_seconds"] = None
         key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
         data = self._request(
             "POST", "/tasks/", body=body, headers={"Idempotency-Key": key}, idempotent=True

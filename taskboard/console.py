@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from taskboard.client import Client, Task, TaskboardError
+from taskboard.client import NO_LIMIT, Client, NoLimit, Task, TaskboardError
 from taskboard.worker import Display, Worker, WorkerOptions
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -48,6 +48,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _attempt_seconds(text: str) -> int | NoLimit:
+    return NO_LIMIT if text.strip().lower() == "none" else _positive_int(text)
 
 
 def _seconds(text: str) -> float:
@@ -205,9 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--parent", type=_positive_int, metavar="ID", help="a subtask of this task")
     submit.add_argument(
         "--max-attempt-seconds",
-        type=_positive_int,
+        type=_attempt_seconds,
         metavar="SECONDS",
-        help="how long one attempt may hold the task, however often it heartbeats",
+        help="how long one attempt may hold the task, however often it heartbeats "
+        "('none': no limit, whatever the server's default)",
     )
     submit.add_argument("--json", action="store_true", help="print each task as a JSON line")
 
@@ -328,6 +333,8 @@ def submit(client: Client, args: argparse.Namespace) -> int:
         specs = ({"title": title} for title in args.titles)
     for spec in specs:
         fields = {**defaults, **spec}
+        if "max_attempt_seconds" in fields and fields["max_attempt_seconds"] is None:
+            fields["max_attempt_seconds"] = NO_LIMIT  # as over the API: null is no limit
         title = fields.pop("title", None)
         if not isinstance(title, str):
             print(f"taskboard: no title in {json.dumps(spec)}", file=sys.stderr)

@@ -27,6 +27,7 @@ from board import transitions
 from board.access import limit_queues
 from board.models import Task as TaskRow
 from taskboard.client import (
+    NO_LIMIT,
     Agent,
     AuthenticationError,
     ClaimedTask,
@@ -362,6 +363,18 @@ def test_a_claim_that_waits_gets_a_timeout_longer_than_its_wait(
 
 
 # -- Work graphs, idempotent creates, comments, queues and agents ------------------------
+
+
+@live
+def test_no_limit_asks_for_no_attempt_deadline_whatever_the_servers_default(
+    board: Client, settings: Any
+) -> None:
+    settings.TASKBOARD_MAX_ATTEMPT_SECONDS = 900
+
+    assert board.create("default").max_attempt_seconds == 900
+    assert board.create("none given", max_attempt_seconds=None).max_attempt_seconds == 900
+    assert board.create("capped", max_attempt_seconds=60).max_attempt_seconds == 60
+    assert board.create("unbounded", max_attempt_seconds=NO_LIMIT).max_attempt_seconds is None
 
 
 @live

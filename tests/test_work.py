@@ -630,6 +630,26 @@ def test_submit_takes_dependencies_a_parent_and_an_attempt_limit_and_tasks_filte
 
 
 @live
+def test_submit_asks_for_no_attempt_limit_with_none_or_a_null(
+    server: LiveServer, token: str, settings: Any
+) -> None:
+    settings.TASKBOARD_MAX_ATTEMPT_SECONDS = 900
+
+    def limit_of(*args: str, stdin: str = "") -> int | None:
+        done = taskboard(server, token, "submit", *args, stdin=stdin)
+        assert done.returncode == 0, done.stderr
+        return Task.objects.get(id=int(done.stdout)).max_attempt_seconds
+
+    assert limit_of("default") == 900
+    assert limit_of("--max-attempt-seconds", "none", "unbounded") is None
+    assert limit_of("-", stdin='{"title": "unbounded", "max_attempt_seconds": null}\n') is None
+    capped = '{"title": "capped", "max_attempt_seconds": 60}\n'
+    assert limit_of("--max-attempt-seconds", "none", "-", stdin=capped) == 60
+    refused = taskboard(server, token, "submit", "--max-attempt-seconds", "0", "zero")
+    assert refused.returncode == 2 and "at least 1" in refused.stderr
+
+
+@live
 def test_tasks_lists_by_filter_as_json_lines_or_a_table(
     server: LiveServer, token: str, agent: Any
 ) -> None:
