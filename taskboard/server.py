@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -73,6 +74,29 @@ class Config(uvicorn.Config):
             signal.signal(signal.SIGTERM, _exit_normally)
 
 
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor of ``--workers`` processes, which lets go of the listening
+    socket the moment SIGTERM or SIGINT arrives.
+
+    uvicorn's notices a signal at its next poll (every 0.5 s), then stops the workers and
+    waits for them, holding its copy of the socket all along: the kernel kept queueing new
+    connections on it after every worker had stopped accepting, and reset them when the
+    supervisor exited, each after hanging for up to half a second or the workers' graceful
+    shutdown. Closed at once here, the socket goes with the last worker's copy, and later
+    connections are refused straight away (a client or balancer then tries elsewhere).
+    """
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+        super().__init__(config, sockets)
+        for sig in EXIT_SIGNALS:
+            signal.signal(sig, self._exit_signal)
+
+    def _exit_signal(self, signum: int, frame: FrameType | None) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.signal_queue.append(signum)  # logged and acted on by uvicorn's loop, as before
+
+
 def _exit_normally(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
@@ -119,7 +143,7 @@ def run(config: Config) -> None:
             sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-", dir=None if short else "/tmp")
             os.environ["TASKBOARD_SERVE_SOCKETS"] = sockets_dir
             metrics_dir = _share_metrics()
-            Multiprocess(config, sockets=[config.bind_socket()]).run()
+            Supervisor(config, sockets=[config.bind_socket()]).run()
         else:
             server.run()
     except KeyboardInterrupt:

@@ -8,6 +8,8 @@
 - A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
 - Open streams and waiting claims end at once on SIGTERM (they used to hold the shutdown
   for the whole graceful period, then be cancelled with tracebacks).
+- With ``--workers``, connections made after SIGTERM are answered or refused, never
+  queued and then reset (uvicorn's supervisor held the listening socket until it exited).
 
 Each test runs real ``serve`` processes on one embedded data directory of their own.
 """
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -90,6 +93,63 @@ def test_sigterm_stops_serve_and_its_embedded_postgresql(
     assert not alive(postmaster), "the embedded PostgreSQL stopped with its last holder"
     assert holders(data_dir) == []
     assert "Traceback" not in serve.error_output
+
+
+def attempt(port: int) -> tuple[str, float]:
+    """Ask for /healthz on a connection of its own; return what came of it and how long
+    it took."""
+    started = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            outcome = "answered" if conn.recv(16).startswith(b"HTTP/1.1 ") else "closed"
+    except ConnectionRefusedError:
+        outcome = "refused"
+    except ConnectionResetError:
+        outcome = "reset"
+    except TimeoutError:
+        outcome = "timed out"
+    return outcome, time.monotonic() - started
+
+
+@pytest.mark.parametrize("signalled", ["serve", "every process"])
+def test_connections_made_after_sigterm_are_answered_or_refused_never_reset(
+    board: tuple[Path, str], signalled: str
+) -> None:
+    # uvicorn's supervisor held its copy of the listening socket until it exited: the
+    # connections made meanwhile were queued on it, then reset, each after hanging.
+    data_dir, _ = board
+    serve = ServeProcess.on_data_dir(data_dir, "--workers", "2")
+    workers = psutil.Process(serve.process.pid).children()
+    outcomes: list[tuple[float, str, float]] = []
+    stop = threading.Event()
+
+    def keep_connecting() -> None:
+        while not stop.is_set():
+            at = time.monotonic()
+            outcomes.append((at, *attempt(serve.port)))
+            time.sleep(0.005)
+
+    connecting = [threading.Thread(target=keep_connecting) for _ in range(4)]
+    for thread in connecting:
+        thread.start()
+    time.sleep(0.5)
+    signalled_at = time.monotonic()
+    serve.send_signal(signal.SIGTERM)
+    if signalled == "every process":  # as systemd and container runtimes do
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+    status = serve.wait()
+    time.sleep(0.3)
+    stop.set()
+    for thread in connecting:
+        thread.join()
+
+    after = [(round(at - signalled_at, 3), outcome, round(took, 3))
+             for at, outcome, took in outcomes if at >= signalled_at]  # fmt: skip
+    assert status == 0, serve.error_output
+    assert {outcome for _, outcome, _ in after} <= {"answered", "refused"}, after
+    assert after[-1][1] == "refused"
 
 
 def test_a_serve_killed_with_sigkill_is_forgotten_by_the_next_one(
