@@ -21,6 +21,7 @@ from django.utils.cache import add_never_cache_headers
 
 from access import tokens
 from access.models import ApiToken
+from board.admin import SelectionChecked
 
 
 def may_issue_for(actor: Any, user: Any) -> bool:
@@ -40,7 +41,7 @@ def check_may_issue_for(actor: Any, users: list[Any]) -> None:
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(SelectionChecked):
     list_display = ("user", "created")
     search_fields = ("user__username",)
     ordering = ("user__username",)

@@ -22,7 +22,7 @@ from django.contrib.admin.utils import flatten_fieldsets, unquote
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Count, Exists, OuterRef, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -56,7 +56,26 @@ def json_block(value: Any) -> SafeString:
     return format_html("<pre>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False))
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class SelectionChecked(admin.ModelAdmin):
+    """A model admin whose actions refuse a selection that is not a list of its keys
+    (``_selected_action=abc``, which no checkbox sends) with a message, where Django's
+    admin fails with a 500: filtering the queryset by it raises ValueError."""
+
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[Any], *args: Any, **kwargs: Any
+    ) -> HttpResponse | None:
+        key = self.model._meta.pk
+        assert key is not None
+        try:
+            for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
+                key.get_prep_value(key.to_python(value))
+        except (ValidationError, ValueError, TypeError):
+            self.message_user(request, "The selection is not a list of items.", messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+        return super().response_action(request, queryset, *args, **kwargs)
+
+
+class ReadOnlyAdmin(SelectionChecked):
     """A model admin that shows and never adds, edits or deletes."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -281,7 +300,7 @@ admin.site.unregister(User)
 
 
 @admin.register(User)
-class UserAdmin(auth_admin.UserAdmin):
+class UserAdmin(SelectionChecked, auth_admin.UserAdmin):
     """Django's user admin, with the queue limit on the page and in the list."""
 
     inlines = [QueueLimitInline]

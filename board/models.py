@@ -229,7 +229,7 @@ class Task(models.Model):
         return f"#{self.pk} {self.title}"
 
     def get_absolute_url(self) -> str:
-        return reverse("api:task-detail", args=[self.pk])
+        return reverse("board:task", args=[self.pk])  # the admin's "View on site"
 
     @property
     def blocked(self) -> bool:

@@ -320,9 +320,10 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
             raise PermissionDenied
         task = self.get_object(request, unquote(object_id))
         if task is None:
-            self.message_user(
-                request, f"Task {object_id} is no longer escalated.", messages.WARNING
-            )
+            why = "no longer escalated"
+            if queue_access(request.user).limited:  # or escalated in a queue not theirs
+                why = "not escalated in one of your queues"
+            self.message_user(request, f"Task {object_id} is {why}.", messages.WARNING)
             return self.redirect_to_queue(request)
         fields: dict[str, Any] = {}
         if triage.form_class is not None:

@@ -12,6 +12,7 @@ import itertools
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from django.contrib.auth.models import Permission
@@ -218,6 +219,48 @@ def test_the_queue_filters_by_queue_and_searches_title_description_and_last_erro
 
 
 # -- The list's actions -----------------------------------------------------------------
+
+
+def test_view_on_site_opens_the_tasks_page_on_the_board(
+    triager_client: Client, escalated: Callable[..., Task]
+) -> None:
+    task = escalated(title="look at me")
+    page = triager_client.get(change_url(task.pk)).content.decode()
+    [link] = re.findall(r'href="([^"]+)"[^>]*class="viewsitelink"', page)
+
+    shown = triager_client.get(html.unescape(link), follow=True)
+
+    assert urlsplit(shown.redirect_chain[-1][0]).path == f"/tasks/{task.pk}/"  # not the API
+    assert shown.status_code == 200 and shown["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize(
+    ("changelist", "action"),
+    [
+        ("escalations_escalatedtask", "cancel"),
+        ("board_delivery", "retry"),
+        ("access_apitoken", "delete_selected"),
+        ("auth_user", "delete_selected"),
+    ],
+)
+@pytest.mark.parametrize("selected", ["abc", "1.5", ""])
+def test_an_action_on_a_selection_that_is_not_of_keys_is_refused_with_a_message(
+    escalated: Callable[..., Task], changelist: str, action: str, selected: str
+) -> None:
+    task = escalated()
+    url = reverse(f"admin:{changelist}_changelist")
+    admin_client = logged_in(factories.StaffFactory(username="root", is_superuser=True))
+
+    response = admin_client.post(
+        url, {"action": action, "_selected_action": [selected], "confirm": "1", "post": "yes"}
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) in (
+        ["The selection is not a list of items."],
+        ["Items must be selected in order to perform actions on them. No items have been changed."],
+    )
+    assert Task.objects.get(pk=task.pk).status == TaskStatus.ESCALATED
 
 
 def test_requeue_puts_the_escalated_tasks_back_and_reports_the_one_that_was_not(
@@ -740,6 +783,7 @@ def test_staff_limited_to_queues_triage_only_their_queues_in_the_admin(
     assert [task.pk for task in listed.context["cl"].result_list] == [ours.pk]
     assert opened.status_code == 302  # Django's answer for an object the user cannot see
     assert one.status_code == 302
+    assert messages_of(one)[-1] == f"Task {theirs.pk} is not escalated in one of your queues."
     assert history(theirs.pk) == before
     assert Task.objects.get(pk=theirs.pk).status == TaskStatus.ESCALATED
     assert Task.objects.get(pk=ours.pk).status == TaskStatus.CANCELLED, messages_of(many)
