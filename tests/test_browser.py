@@ -263,6 +263,30 @@ def test_the_lease_countdown_turns_to_stalled_when_the_lease_runs_out(
     assert Task.objects.get(pk=task.id).status == "in_progress", "nothing but a claim expires it"
 
 
+def test_the_lease_countdown_keeps_the_servers_time_when_the_script_runs_late(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    # The page took the server's clock minus its own when the script ran, so every second
+    # between the server's render and the script (a slow script load here) was counted as
+    # a clock difference: countdowns ran that much behind the server.
+    task = make_task(title="Transcode video")
+    transitions.claim(actor=agent, lease_seconds=120)
+    late = 3.0
+
+    def slow_script(route: Any) -> None:
+        time.sleep(late)
+        route.continue_()
+
+    page.route("**/board.js", slow_script)
+    log_in(page, person)
+    text = card(page, "in_progress", task.id).locator(".lease").inner_text()
+    left = (Task.objects.get(pk=task.id).leased_until - timezone.now()).total_seconds()
+
+    minutes, seconds = re.fullmatch(r"(\d+):(\d\d) left", text).groups()  # type: ignore[union-attr]
+    shown = int(minutes) * 60 + int(seconds)
+    assert abs(shown - left) < late / 2, (text, left)
+
+
 def claim_on_the_board(
     page: Page, person: Any, make_task: Callable[..., Task], settings: Any
 ) -> Task:

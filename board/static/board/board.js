@@ -24,8 +24,19 @@
   const STATE = JSON.parse(stateElement.textContent);
   const ME = STATE.user;
   // The server's clock minus ours, so countdowns agree with the server's lease deadlines.
-  const skew = Date.parse(STATE.now) - Date.now();
+  // Each reading is a lower bound: the server read its clock before this page's response
+  // began to arrive (not when this script ran, which can be a second later), and wrote
+  // each event before the stream brought it. The largest reading is the closest.
+  const [navigation] = performance.getEntriesByType("navigation");
+  const arrived = navigation?.responseStart
+    ? performance.timeOrigin + navigation.responseStart
+    : Date.now();
+  let skew = Date.parse(STATE.now) - arrived;
   const serverNow = () => Date.now() + skew;
+  function readServerClock(iso) {
+    const reading = Date.parse(iso) - Date.now();
+    if (reading > skew) skew = reading;
+  }
 
   // -- DOM -------------------------------------------------------------------------------
 
@@ -489,6 +500,7 @@
         } catch {
           return;
         }
+        readServerClock(event.created_at);
         onEvent(event);
       });
       source.addEventListener("error", () => {
