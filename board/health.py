@@ -80,10 +80,10 @@ def current_check(timeout: float) -> Check | None:
 @never_cache
 def healthz(request: HttpRequest) -> JsonResponse:
     """Return 200 ``{"status": "ok"}`` when the database answers in time, else 503."""
-    if request.method != "GET":
+    if request.method not in ("GET", "HEAD"):  # HEAD: the probe of many load balancers
         detail = f'Method "{request.method}" not allowed.'
         refused = error_response(405, "method_not_allowed", detail)
-        refused["Allow"] = "GET"
+        refused["Allow"] = "GET, HEAD"
         return refused
     timeout = settings.TASKBOARD_HEALTH_TIMEOUT
     check = current_check(timeout)

@@ -99,6 +99,16 @@ def test_healthz_answers_ok_without_credentials() -> None:
     assert "no-cache" in response["Cache-Control"]
 
 
+def test_healthz_answers_head_as_get_without_a_body() -> None:
+    response = Client().head("/healthz")
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/json"
+    assert response.content == b""
+    with database_unreachable():
+        assert Client().head("/healthz").status_code == 503
+
+
 def test_healthz_answers_503_while_the_database_is_unreachable() -> None:
     with database_unreachable():
         response = Client().get("/healthz")
@@ -223,4 +233,4 @@ def test_healthz_refuses_other_methods_with_a_json_405(method: str) -> None:
     assert response.status_code == 405
     assert response["Content-Type"] == "application/json"
     assert response.json()["error"] == "method_not_allowed"
-    assert response["Allow"] == "GET"
+    assert response["Allow"] == "GET, HEAD"

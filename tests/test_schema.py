@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
@@ -48,6 +49,38 @@ def test_the_schema_and_the_docs_need_no_login() -> None:
     docs = client.get("/api/v1/docs/")
     assert docs.status_code == 200
     assert b"swagger-ui" in docs.content
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("post", "/api/v1/schema/", {}, 405),
+        ("delete", "/api/v1/docs/", {}, 405),
+        ("post", "/api/v1/docs/", {}, 405),
+        ("get", "/api/v1/schema/?format=bogus", {}, 404),
+        ("get", "/api/v1/docs/?format=bogus", {}, 404),
+        ("get", "/api/v1/schema/", {"HTTP_ACCEPT": "text/html"}, 406),
+    ],
+)
+def test_the_schema_and_the_docs_refuse_with_the_apis_json_error(
+    method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    response = getattr(Client(), method)(path, **headers)
+
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/json"
+    assert set(json.loads(response.content)) == {"error", "detail"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/v1/schema/", "/api/v1/docs/", "/api/v1/docs/?script="])
+def test_the_schema_and_the_docs_answer_options_in_json(path: str) -> None:
+    response = Client().options(path)
+
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"] == "application/json"
+    assert "GET" in response["Allow"]
 
 
 def test_the_committed_schema_covers_every_contract_endpoint() -> None:
