@@ -408,6 +408,31 @@ def test_agents_lists_who_holds_what_and_how_their_leases_ended(
     }
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_agents_last_sighting_survives_its_expired_lease_going_to_another(
+    agent_api: APIClient, api: Callable[[Any], APIClient], other_agent: Any
+) -> None:
+    # Claims and heartbeats are seen through the task held; once an expired lease went to
+    # another agent, the holder's last_seen_at went back to its last complete.
+    create(agent_api)
+    create(agent_api, priority=-1)
+    [done] = claim(agent_api)
+    post(agent_api, f"tasks/{done['id']}/complete/", {"lease_token": done["lease_token"]})
+    time.sleep(0.05)
+    claim(agent_api, lease_seconds=1)
+
+    def last_seen() -> str:
+        [smith] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
+        return str(smith["last_seen_at"])
+
+    seen_holding = last_seen()
+    time.sleep(1.1)
+    [taken] = claim(api(other_agent))
+
+    assert TaskEvent.objects.get(task_id=taken["id"], type="expired").actor == "system"
+    assert last_seen() == seen_holding
+
+
 def test_task_fields_include_the_additions(agent_api: APIClient) -> None:
     assert set(create(agent_api)) == TASK_FIELDS
 

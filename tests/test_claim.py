@@ -192,6 +192,7 @@ def test_an_expired_lease_is_reclaimed_and_its_expiry_recorded(
     assert expired.payload["reason"] == "lease_expired"
     assert set(expired.payload) == {
         "previous_holder",
+        "previous_holder_seen_at",
         "leased_until",
         "reason",
         "failure_count",

@@ -36,7 +36,8 @@ ORDER BY n.name;
 -- name: agent_list
 -- Every user that has claimed a task: the tasks it holds now (of the queues the reader
 -- may see), when it was last seen (its last claim or heartbeat of a task it holds, which
--- is that task's updated_at, or its last complete, fail, release or escalate), and how its
+-- is that task's updated_at, or its last complete, fail, release or escalate, or its last
+-- claim or heartbeat of a task whose lease then expired: agent_activity), and how its
 -- leases ended in the last 24 hours, counted by the hour (the current hour and the 23
 -- before it).
 SELECT u.username AS name,

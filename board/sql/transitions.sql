@@ -96,6 +96,9 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 WITH expired AS (
     SELECT id, priority, created_at, failure_count, max_failures, leased_by, leased_until,
            open_dependencies,
+           -- The holder's last claim or heartbeat of it: what GET agents/ shows as its
+           -- last sighting once the task has left it (migration 0016).
+           updated_at AS previous_seen,
            CASE WHEN max_attempt_seconds IS NOT NULL
                      AND leased_until >= attempt_started_at
                                          + make_interval(secs => max_attempt_seconds)
@@ -124,13 +127,13 @@ WITH expired AS (
 ), candidates AS (
     SELECT id, priority, created_at, true AS was_expired,
            failure_count + 1 >= max_failures AS escalates,
-           leased_by AS previous_holder, leased_until AS previous_until, reason,
+           leased_by AS previous_holder, leased_until AS previous_until, previous_seen, reason,
            -- A dependency was requeued since this task was claimed: its expiry sends it
            -- back to pending, blocked, not to another holder.
            open_dependencies > 0 AS blocked
     FROM expired
     UNION ALL
-    SELECT id, priority, created_at, false, false, NULL, NULL, NULL, false
+    SELECT id, priority, created_at, false, false, NULL, NULL, NULL, NULL, false
     FROM pending
 ), chosen AS (
     SELECT id FROM candidates
@@ -161,7 +164,8 @@ WITH expired AS (
         updated_at = now()
     FROM candidates c
     WHERE t.id = c.id AND (c.was_expired OR t.id IN (SELECT id FROM chosen))
-    RETURNING t.*, c.was_expired, c.escalates, c.previous_holder, c.previous_until, c.reason,
+    RETURNING t.*, c.was_expired, c.escalates, c.previous_holder, c.previous_until,
+              c.previous_seen, c.reason,
               t.status = 'in_progress' AS claimed
 ), event AS (
     INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
@@ -172,6 +176,7 @@ WITH expired AS (
                'system' AS actor,
                jsonb_build_object(
                    'previous_holder', previous_holder,
+                   'previous_holder_seen_at', previous_seen,
                    'leased_until', previous_until,
                    'reason', reason,
                    'failure_count', failure_count,
