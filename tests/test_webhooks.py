@@ -79,6 +79,10 @@ def test_a_given_secret_events_queues_and_format_are_kept(staff_api: APIClient) 
         ({"url": "http://"}, "url"),
         ({"url": "http://example.com/a b"}, "url"),
         ({"url": "http://example.com\n"}, "url"),
+        ({"url": "http://example.com:0/"}, "url"),
+        ({"url": "http://example.com:65536/"}, "url"),
+        ({"url": "http://example.com:99999"}, "url"),
+        ({"url": "http://example.com:08080"}, "url"),
         ({}, "url"),
         ({"url": "https://example.com", "events": ["exploded"]}, "events"),
         ({"url": "https://example.com", "events": []}, "events"),
@@ -95,6 +99,12 @@ def test_it_refuses_a_webhook_it_could_not_deliver(
     error = assert_error(post(staff_api, "webhooks/", body), 400, "invalid")
     assert field in error["fields"], error
     assert not Webhook.objects.exists()
+
+
+@pytest.mark.parametrize("port", ["1", "80", "8080", "59999", "64999", "65499", "65529", "65535"])
+def test_it_takes_a_webhook_on_any_port(staff_api: APIClient, port: str) -> None:
+    url = f"https://example.com:{port}/hook"
+    assert add_webhook(staff_api, url=url)["url"] == url
 
 
 def test_only_staff_see_or_change_webhooks(

@@ -568,12 +568,16 @@ class EventPageSerializer(serializers.Serializer[Any]):
     next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
 
 
-# http or https, a host name or address (an IPv6 one in brackets), a port, then a path,
-# query or fragment without spaces or control characters. The pattern is the whole rule
-# (the schema states it): a URL that fits it but reaches nothing fails its deliveries,
-# with the error in each delivery, like a receiver that is down.
+# http or https, a host name or address (an IPv6 one in brackets), a port (1..65535, no
+# leading zero), then a path, query or fragment without spaces or control characters. The
+# pattern is the whole rule (the schema states it): a URL that fits it but reaches nothing
+# fails its deliveries, with the error in each delivery, like a receiver that is down.
+PORT_PATTERN = (
+    "(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+)
 WEBHOOK_URL_PATTERN = (
-    "^[Hh][Tt][Tt][Pp][Ss]?://(?:[A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])(?::[0-9]{1,5})?"
+    "^[Hh][Tt][Tt][Pp][Ss]?://(?:[A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])"
+    f"(?::{PORT_PATTERN})?"
     "(?:[/?#][^\\u0000-\\u0020\\u007f]*)?\\Z"  # \Z: no newline after the end
 )
 
