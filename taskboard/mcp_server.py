@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
 from taskboard.client import (
@@ -106,6 +109,17 @@ def _public(task: Task) -> dict[str, Any]:
     return data
 
 
+def _answer(value: Any) -> CallToolResult:
+    """A tool's answer as the SDK makes one from a plain return (structured content
+    ``{"result": value}``), with the value as one JSON text block for hosts that show the
+    model only text: the SDK's own conversion gives null and an empty list no text at all,
+    and a list one block per item."""
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)], structured_content={"result": value}
+    )
+
+
 def _event(event: Event) -> dict[str, Any]:
     """An event as the API renders it."""
     return {
@@ -139,7 +153,31 @@ class Session:
         self.leases: dict[int, Lease] = {}
         self.closed = False
         self._owns_client = owns_client
+        self._claims = 0  # claims under way, for which the client stays open
         self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[None]:
+        """Keep the client open while a claim is under way, even past :meth:`close`: a
+        claim that comes back after its session ended gives its task back through it
+        (:meth:`hold`); a closed client would leave the task held by nobody until its
+        lease ran out, with a strike."""
+        with self._lock:
+            if self.closed:
+                raise ToolError("This session has ended: connect again.")
+            self._claims += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._claims -= 1
+                last = self.closed and self._claims == 0
+            if last:
+                self._close_client()
+
+    def _close_client(self) -> None:
+        if self._owns_client:
+            self.client.close()
 
     def hold(self, task: ClaimedTask) -> None:
         lease = self.client.lease(task)
@@ -218,10 +256,11 @@ class Session:
         with self._lock:
             self.closed = True
             leases, self.leases = list(self.leases.values()), {}
+            idle = self._claims == 0
         for lease in leases:
             lease.stop()
-        if self._owns_client:
-            self.client.close()
+        if idle:  # else the last claim under way closes it (claiming)
+            self._close_client()
 
 
 # Claims that wait for work hold a worker thread each for up to a minute: they get threads
@@ -323,7 +362,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         wait: WaitSeconds | None = None,
         *,
         ctx: Context,
-    ) -> dict[str, Any] | None:
+    ) -> Annotated[CallToolResult, dict[str, Any] | None]:
         """Claim the next task to work on, or nothing (null) when there is none.
 
         wait (0..60 seconds) waits for work to come. The task's "progress" is how far an
@@ -334,15 +373,16 @@ def build_server(session_of: SessionOf) -> MCPServer:
         session = session_of(ctx)
 
         def claim() -> dict[str, Any] | None:
-            claimed = session.client.claim(
-                queues=queues, limit=1, lease_seconds=lease_seconds, wait=wait or 0
-            )
-            if not claimed:
-                return None
-            session.hold(claimed[0])
-            return _public(claimed[0])
+            with session.claiming():
+                claimed = session.client.claim(
+                    queues=queues, limit=1, lease_seconds=lease_seconds, wait=wait or 0
+                )
+                if not claimed:
+                    return None
+                session.hold(claimed[0])
+                return _public(claimed[0])
 
-        return await _call(claim, limiter=_waiting_limiter() if wait else None)
+        return _answer(await _call(claim, limiter=_waiting_limiter() if wait else None))
 
     @server.tool()
     async def report_progress(task_id: TaskId, progress: Any, *, ctx: Context) -> dict[str, Any]:
@@ -446,7 +486,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         blocked: bool | None = None,
         *,
         ctx: Context,
-    ) -> list[dict[str, Any]]:
+    ) -> Annotated[CallToolResult, list[dict[str, Any]]]:
         """List tasks, newest first (up to 100): by status (pending, in_progress, done,
         escalated, cancelled), queue, parent (subtasks of a task) or blocked (waiting for
         a dependency)."""
@@ -454,7 +494,7 @@ def build_server(session_of: SessionOf) -> MCPServer:
         page = await _call(
             client.list_tasks, status=status, queue=queue, parent=parent, blocked=blocked
         )
-        return [_public(task) for task in page.results]
+        return _answer([_public(task) for task in page.results])
 
     return server
 

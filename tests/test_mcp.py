@@ -234,6 +234,35 @@ def test_a_model_works_a_task_for_longer_than_its_lease_and_completes_it(
     run(test)
 
 
+def test_every_answer_has_its_json_as_text_null_and_empty_lists_included(
+    server: LiveServer, token: str, transport: str
+) -> None:
+    # The SDK gives null and [] no text at all, and a list one block per item: a host that
+    # shows the model only text showed it nothing for "no task".
+    async def test() -> None:
+        async with mcp_session(server, token, transport) as session:
+            await session.initialize()
+
+            async def answer(tool: str, **arguments: Any) -> Any:
+                result = await session.call_tool(tool, arguments)
+                assert not result.is_error, text_of(result)
+                [block] = result.content
+                value = json.loads(block.text)  # type: ignore[union-attr]
+                assert result.structured_content == {"result": value}
+                return value
+
+            assert await answer("claim_task", queues=["empty"]) is None
+            assert await answer("list_tasks", queue="empty") == []
+            await call(session, "create_task", title="a", queue="two")
+            await call(session, "create_task", title="b", queue="two")
+            listed = await answer("list_tasks", queue="two")
+            assert [task["title"] for task in listed] == ["b", "a"]
+            claimed = await answer("claim_task", queues=["two"])
+            assert claimed["title"] == "a" and "lease_token" not in claimed
+
+    run(test)
+
+
 def test_refusals_are_tool_errors_with_the_api_code(
     server: LiveServer, token: str, transport: str
 ) -> None:

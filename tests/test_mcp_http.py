@@ -22,7 +22,7 @@ import pytest
 
 from access.models import AuthFailure
 from board import transitions
-from board.models import Task
+from board.models import Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, live_server
 
@@ -401,3 +401,39 @@ def test_a_claim_that_arrives_after_its_session_ended_is_released_without_a_stri
 
     row = Task.objects.get(pk=task.id)
     assert row.status == "pending" and row.failure_count == 0
+
+
+def test_a_waiting_claim_whose_session_is_deleted_gives_back_what_it_then_claims(
+    server: LiveServer,
+) -> None:
+    # The session's end closed its client while the claim waited; the claim that then came
+    # back could not be released through it, and the task stayed held by nobody until its
+    # lease ran out, with a strike.
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    session_id = open_session(url, alice)
+    answered: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: answered.append(
+            call(url, alice, session_id, "claim_task", queues=["late"], wait=5)
+        )
+    )
+    waiting.start()
+    time.sleep(1)  # the claim waits on the board
+    headers = {"Authorization": f"Bearer {alice}", "Mcp-Session-Id": session_id}
+    assert (
+        httpx.delete(url, headers={**headers, "MCP-Protocol-Version": VERSION}).status_code == 200
+    )
+    task = transitions.create(actor=UserFactory(username="bob"), title="late", queue="late")
+    waiting.join(timeout=30)
+
+    def types() -> list[str]:
+        events = TaskEvent.objects.filter(task_id=task.pk).order_by("id")
+        return list(events.values_list("type", flat=True))
+
+    deadline = time.monotonic() + 15  # the claim, still waiting on the board, takes it
+    while types() != ["created", "claimed", "released"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    row = Task.objects.get(pk=task.pk)
+    assert (row.status, row.failure_count, row.leased_by) == ("pending", 0, None)
+    assert types() == ["created", "claimed", "released"]
