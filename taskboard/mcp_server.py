@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
 from taskboard.client import (
+    NO_LIMIT,
     ClaimedTask,
     Client,
     Event,
@@ -310,13 +312,29 @@ TOOL_CALL_LIMITS: dict[str, Any] = {"timeout": 10.0, "retries": 1, "max_backoff"
 
 SessionOf = Callable[[Context], Session]
 
+# The arguments a tool call named as null, where null means something other than leaving
+# the argument out (the SDK hands a tool None for both).
+_given_null: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "given_null", default=frozenset()
+)
+
+
+class BoardServer(MCPServer):
+    """The SDK's server, which tells a tool which of its arguments were given as null."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], *args: Any) -> Any:
+        nulls = frozenset(key for key, value in arguments.items() if value is None)
+        token = _given_null.set(nulls)
+        try:
+            return await super().call_tool(name, arguments, *args)
+        finally:
+            _given_null.reset(token)
+
 
 def build_server(session_of: SessionOf) -> MCPServer:
     """Return the MCP server whose tools act on the board through the :class:`Session`
     that ``session_of`` returns for the request's context (its MCP session's)."""
-    server: MCPServer = MCPServer(
-        "taskboard", instructions=INSTRUCTIONS, version="1", title="Taskboard"
-    )
+    server = BoardServer("taskboard", instructions=INSTRUCTIONS, version="1", title="Taskboard")
 
     @server.tool()
     async def create_task(
@@ -337,9 +355,13 @@ def build_server(session_of: SessionOf) -> MCPServer:
 
         Use parent_id to split the task you hold into subtasks, and depends_on (ids of
         existing tasks) for work that may start only once those are done. run_after is an
-        ISO 8601 time with a UTC offset. Each call makes a new task (a call whose answer
-        was lost on the way is retried for you without making a second one).
+        ISO 8601 time with a UTC offset. max_attempt_seconds caps one attempt however
+        often its holder heartbeats (null: no limit; left out: the board's default). Each
+        call makes a new task (a call whose answer was lost on the way is retried for you
+        without making a second one).
         """
+        if "max_attempt_seconds" in _given_null.get():  # as over the API: no limit
+            max_attempt_seconds = NO_LIMIT  # type: ignore[assignment]
         task = await _call(
             session_of(ctx).client.create,
             title,

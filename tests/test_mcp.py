@@ -263,6 +263,24 @@ def test_every_answer_has_its_json_as_text_null_and_empty_lists_included(
     run(test)
 
 
+def test_create_task_takes_null_for_no_attempt_limit_as_the_api_does(
+    server: LiveServer, token: str, transport: str, settings: Any
+) -> None:
+    settings.TASKBOARD_MAX_ATTEMPT_SECONDS = 900
+
+    async def test() -> None:
+        async with mcp_session(server, token, transport) as session:
+            await session.initialize()
+            left_out = await call(session, "create_task", title="default")
+            unbounded = await call(session, "create_task", title="x", max_attempt_seconds=None)
+            capped = await call(session, "create_task", title="y", max_attempt_seconds=60)
+            assert left_out["max_attempt_seconds"] == 900
+            assert unbounded["max_attempt_seconds"] is None
+            assert capped["max_attempt_seconds"] == 60
+
+    run(test)
+
+
 def test_refusals_are_tool_errors_with_the_api_code(
     server: LiveServer, token: str, transport: str
 ) -> None:
