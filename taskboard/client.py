@@ -186,7 +186,10 @@ class Throttled(TaskboardError):
 
 
 class Unavailable(TaskboardError):
-    """503, or no answer at all (connection refused, timed out), after the retries."""
+    """503, or no answer at all (connection refused, timed out), after the retries;
+    ``retry_after``: the 503's Retry-After, in seconds."""
+
+    retry_after: float | None = None
 
 
 _BY_STATUS: dict[int, type[TaskboardError]] = {
@@ -218,7 +221,7 @@ RETRIED_STATUSES = frozenset({503}) | GATEWAY_ERRORS
 def error_from_response(response: httpx.Response) -> TaskboardError:
     """Return the exception for an error ``response`` (any status >= 400)."""
     error = _error_from_response(response)
-    if isinstance(error, Throttled):
+    if isinstance(error, Throttled | Unavailable):
         with contextlib.suppress(ValueError):
             error.retry_after = float(response.headers.get("Retry-After", ""))
     return error
@@ -744,12 +747,18 @@ class Client:
         return Task.from_json(data)
 
     def complete(
-        self, task: ClaimedTask | int, *, lease_token: str | None = None, result: Any = None
+        self,
+        task: ClaimedTask | int,
+        *,
+        lease_token: str | None = None,
+        result: Any = None,
+        retries: int | None = None,
     ) -> Task:
         """Mark your task done with ``result`` (any JSON value)."""
         task_id, token = _lease_of(task, lease_token)
         body = {"lease_token": token, "result": result}
-        return Task.from_json(self._request("POST", f"/tasks/{task_id}/complete/", body=body))
+        data = self._request("POST", f"/tasks/{task_id}/complete/", body=body, retries=retries)
+        return Task.from_json(data)
 
     def fail(
         self,
@@ -758,25 +767,40 @@ class Client:
         *,
         lease_token: str | None = None,
         retry_after: int | None = None,
+        retries: int | None = None,
     ) -> Task:
         """Count a strike on your task: pending again (after ``retry_after`` s) or escalated."""
         task_id, token = _lease_of(task, lease_token)
         body = _drop_none(lease_token=token, error=error, retry_after=retry_after)
-        return Task.from_json(self._request("POST", f"/tasks/{task_id}/fail/", body=body))
+        data = self._request("POST", f"/tasks/{task_id}/fail/", body=body, retries=retries)
+        return Task.from_json(data)
 
-    def release(self, task: ClaimedTask | int, *, lease_token: str | None = None) -> Task:
+    def release(
+        self,
+        task: ClaimedTask | int,
+        *,
+        lease_token: str | None = None,
+        retries: int | None = None,
+    ) -> Task:
         """Give your task back, pending, without a strike."""
         task_id, token = _lease_of(task, lease_token)
         body = {"lease_token": token}
-        return Task.from_json(self._request("POST", f"/tasks/{task_id}/release/", body=body))
+        data = self._request("POST", f"/tasks/{task_id}/release/", body=body, retries=retries)
+        return Task.from_json(data)
 
     def escalate(
-        self, task: ClaimedTask | int, reason: str, *, lease_token: str | None = None
+        self,
+        task: ClaimedTask | int,
+        reason: str,
+        *,
+        lease_token: str | None = None,
+        retries: int | None = None,
     ) -> Task:
         """Hand your task to the humans (escalated), with ``reason``."""
         task_id, token = _lease_of(task, lease_token)
         body = {"lease_token": token, "reason": reason}
-        return Task.from_json(self._request("POST", f"/tasks/{task_id}/escalate/", body=body))
+        data = self._request("POST", f"/tasks/{task_id}/escalate/", body=body, retries=retries)
+        return Task.from_json(data)
 
     def requeue(self, task: TaskRef, *, note: str | None = None) -> Task:
         """Staff: put an escalated, done or cancelled task back to pending, strikes reset."""
@@ -1214,21 +1238,24 @@ class Lease:
 
     def complete(self, result: Any = None) -> Task:
         """Stop heartbeating and complete the task with ``result``."""
-        return self._finish(lambda: self.client.complete(self.task, result=result))
+        return self._finish(lambda: self.client.complete(self.task, result=result, retries=0))
 
     def fail(self, error: str, *, retry_after: int | None = None) -> Task:
         """Stop heartbeating and fail the task (a strike) with ``error``."""
         return self._finish(
-            lambda: self.client.fail(self.task, error, retry_after=retry_after), progress=True
+            lambda: self.client.fail(self.task, error, retry_after=retry_after, retries=0),
+            progress=True,
         )
 
     def release(self) -> Task:
         """Stop heartbeating and give the task back without a strike."""
-        return self._finish(lambda: self.client.release(self.task), progress=True)
+        return self._finish(lambda: self.client.release(self.task, retries=0), progress=True)
 
     def escalate(self, reason: str) -> Task:
         """Stop heartbeating and hand the task to the humans."""
-        return self._finish(lambda: self.client.escalate(self.task, reason), progress=True)
+        return self._finish(
+            lambda: self.client.escalate(self.task, reason, retries=0), progress=True
+        )
 
     def __enter__(self) -> Self:
         return self.start()
@@ -1258,6 +1285,8 @@ class Lease:
     # -- internals -----------------------------------------------------------------------
 
     def _finish(self, call: Callable[[], Task], *, progress: bool = False) -> Task:
+        """Make the finishing ``call`` (sent once: retried here), with the heartbeats
+        stopped while it is under way and running between its attempts."""
         # Heartbeats stop first; one already in flight is harmless, and a refusal it gets
         # after this point is not a loss (see _run).
         self._finished = True
@@ -1268,7 +1297,31 @@ class Lease:
                 # Let a heartbeat in flight land first, so the progress goes out once.
                 self._halt()
                 self._send_progress()
-            task = call()
+            attempt = 0
+            while True:
+                try:
+                    task = call()
+                    break
+                except Unavailable as exc:
+                    # Not taken (a 503: the board's database is away; or the board not
+                    # reached): tried again as the client retries, but with the lease
+                    # heartbeating meanwhile. Waiting out a Retry-After with the heartbeats
+                    # stopped let a short lease run out under a complete that then went
+                    # through: lease_lost, a strike, and the work done twice.
+                    not_taken = exc.status == 503 or exc.code == "unreachable"
+                    if not not_taken or attempt >= self.client.retries:
+                        raise
+                    self._resume()
+                    delay = self.client._delay(attempt, exc.retry_after)
+                    logger.info("task %s: %s; trying again in %.1f s", self.task.id, exc, delay)
+                    time.sleep(delay)
+                    with self._control:
+                        if self.lost or self._stopped:
+                            raise
+                        self._finished = True
+                        self._stopping.set()
+                        self._wake.set()
+                    attempt += 1
         except LeaseLost as exc:
             self._lose(exc, notify=False)
             raise

@@ -758,6 +758,42 @@ def test_the_stream_yields_events_and_resumes_after_a_dropped_connection(
 # -- The lease helper --------------------------------------------------------------------
 
 
+class UnavailableOnce(httpx.BaseTransport):
+    """The real transport, except that the first request whose path ends with ``path``
+    is answered 503 with a Retry-After, as the board answers while its database is away."""
+
+    def __init__(self, path: str, retry_after: int) -> None:
+        self.real = httpx.HTTPTransport()
+        self.path, self.retry_after = path, retry_after
+        self.refused = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith(self.path) and not self.refused:
+            self.refused += 1
+            body = {"error": "unavailable", "detail": "The database is unavailable."}
+            return httpx.Response(503, json=body, headers={"Retry-After": str(self.retry_after)})
+        return self.real.handle_request(request)
+
+
+@live
+def test_a_complete_refused_503_is_tried_again_with_the_lease_heartbeating_meanwhile(
+    server: LiveServer, token: str
+) -> None:
+    # The retry waited out the 503's Retry-After (3 s) with the heartbeats stopped: the 2 s
+    # lease ran out first, and the complete that then went through got lease_lost.
+    outage = UnavailableOnce("/complete/", retry_after=3)
+    with Client(server.url, token, transport=outage) as board:
+        board.create("finished during an outage", queue="q")
+        [task] = board.claim(queues=["q"], lease_seconds=2)
+        with board.lease(task) as lease:
+            done = lease.complete({"ok": True})
+
+    assert outage.refused == 1
+    assert done.status == "done" and not lease.lost
+    row = TaskRow.objects.get(id=task.id)
+    assert (row.status, row.failure_count) == ("done", 0)
+
+
 @live
 def test_the_lease_helper_heartbeats_until_the_task_is_completed(board: Client) -> None:
     board.create("long job", queue="q")
