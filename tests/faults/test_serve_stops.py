@@ -8,6 +8,8 @@
 - A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
 - Open streams and waiting claims end at once on SIGTERM (they used to hold the shutdown
   for the whole graceful period, then be cancelled with tracebacks).
+- The workers of a ``serve --workers N`` killed with SIGKILL stop (they kept the port and
+  the database).
 - With ``--workers``, connections made after SIGTERM are answered or refused, never
   queued and then reset (uvicorn's supervisor held the listening socket until it exited).
 
@@ -93,6 +95,33 @@ def test_sigterm_stops_serve_and_its_embedded_postgresql(
     assert not alive(postmaster), "the embedded PostgreSQL stopped with its last holder"
     assert holders(data_dir) == []
     assert "Traceback" not in serve.error_output
+
+
+def test_the_workers_of_a_serve_killed_with_sigkill_stop_and_free_its_port_and_database(
+    board: tuple[Path, str],
+) -> None:
+    # They kept serving on the port with the supervisor gone, and holding the database.
+    data_dir, _ = board
+    killed = ServeProcess.on_data_dir(data_dir, "--workers", "2")
+    workers = psutil.Process(killed.pid).children()
+    assert (
+        len([w for w in workers if "multiprocessing.resource_tracker" not in " ".join(w.cmdline())])
+        == 2
+    )
+
+    killed.process.kill()
+    killed.process.wait()
+    _, still_running = psutil.wait_procs(workers, timeout=30)
+
+    assert still_running == []
+    serve = ServeProcess(
+        data_dir.parent / "after-kill.out", "--workers", "2", data_dir=data_dir, port=killed.port
+    ).wait_healthy(90)
+    postmaster = postmaster_pid(data_dir)
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.error_output
+    assert postmaster is not None and not alive(postmaster)
+    assert holders(data_dir) == []
 
 
 def attempt(port: int) -> tuple[str, float]:
