@@ -58,9 +58,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
+    from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
 
-    execute_from_command_line(["taskboard", *args])
+    try:
+        execute_from_command_line(["taskboard", *args])
+    except ImproperlyConfigured as exc:  # a setting from the environment: one line, not a trace
+        print(f"taskboard: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

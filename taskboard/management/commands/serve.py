@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import socket
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -17,6 +20,31 @@ from access import tokens
 from taskboard import pushpin, server
 
 
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 1 to 65535, not {text!r}")
+    return int(text)
+
+
+def _at_least_one(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of processes, 1 or more, not {text!r}")
+    return int(text)
+
+
+def _from_environment(name: str, parse: Callable[[str], int]) -> int | None:
+    """The value of the environment variable ``name`` (unset or empty: None), or a clear
+    error naming it."""
+    text = os.environ.get(name) or ""
+    if not text:
+        return None
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as exc:
+        print(f"taskboard serve: {name} {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def uses_embedded_database() -> bool:
     return settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded"
 
@@ -27,11 +55,11 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         # Empty variables count as unset, as WEB_CONCURRENCY below and settings' env_int.
         parser.add_argument("--host", default=os.environ.get("HOST") or "127.0.0.1")
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or "8000"))
+        parser.add_argument("--port", type=_port, default=_from_environment("PORT", _port) or 8000)
         parser.add_argument(
             "--workers",
-            type=int,
-            default=int(os.environ.get("WEB_CONCURRENCY") or usable_cpus()),
+            type=_at_least_one,
+            default=_from_environment("WEB_CONCURRENCY", _at_least_one) or usable_cpus(),
             help="server processes (each with its own event relay); default: WEB_CONCURRENCY, "
             f"or the CPUs this process may use ({usable_cpus()} here)",
         )
