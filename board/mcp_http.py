@@ -79,6 +79,11 @@ IDLE_MARGIN = 2.0
 # Open sessions per process, and per token (so that one agent cannot take them all).
 MAX_SESSIONS = 2000
 SESSIONS_PER_TOKEN = 50
+# A JSON-RPC request may be larger than the API's limit on bodies, so that a tool call whose
+# argument the API refuses as too large (a result over 1 MiB) reaches the tool and is its
+# error, payload_too_large, as over stdio; one larger than this is refused before the SDK
+# reads it, with a JSON-RPC error (the SDK's own refusal is a bare text 413).
+MAX_RPC_BYTES = 4 * conf.MAX_BODY_BYTES
 # Where the token that authenticated a request is kept in its ASGI scope.
 TOKEN_KEY = "taskboard.token"
 
@@ -263,8 +268,7 @@ class MCPApplication:
         # through this Starlette application.
         self.server.streamable_http_app(
             session_idle_timeout=settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS,
-            # The API's limit on bodies.
-            max_request_body_size=conf.MAX_BODY_BYTES,
+            max_request_body_size=MAX_RPC_BYTES,
             max_sessions=MAX_SESSIONS,
             # Hosts are checked against ALLOWED_HOSTS as for every request (in __call__).
             # Origins need no check: only a token opens a session, and no browser sends
@@ -316,6 +320,14 @@ class MCPApplication:
                 f"keeps leases in sessions ({', '.join(supported)}).",
                 code=UNSUPPORTED_PROTOCOL_VERSION,
                 data={"supported": supported, "requested": version[:32]},
+            )
+            return
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_RPC_BYTES:
+            await _jsonrpc_error(
+                send,
+                413,
+                f"payload_too_large: MCP requests are limited to {MAX_RPC_BYTES} bytes.",
             )
             return
         user, token = authenticated

@@ -437,3 +437,33 @@ def test_a_waiting_claim_whose_session_is_deleted_gives_back_what_it_then_claims
     row = Task.objects.get(pk=task.pk)
     assert (row.status, row.failure_count, row.leased_by) == ("pending", 0, None)
     assert types() == ["created", "claimed", "released"]
+
+
+def test_a_tool_argument_over_the_apis_limit_is_the_tools_error_as_over_stdio(
+    server: LiveServer,
+) -> None:
+    # The SDK refused the request itself, with a bare text 413 its client reports as an
+    # opaque error; over stdio the same call was the API's payload_too_large.
+    alice = token_of("alice")
+    url = f"{server.url}/mcp/"
+    session_id, task_id = holding_a_task(url, alice)
+
+    status, body = call(
+        url, alice, session_id, "complete_task", task_id=task_id, result="a" * 1_100_000
+    )
+
+    assert status == 200
+    assert body["result"]["isError"] is True
+    assert "payload_too_large" in body["result"]["content"][0]["text"]
+    assert Task.objects.get(pk=task_id).status == "in_progress"  # still held, heartbeating
+
+    headers = {
+        "Authorization": f"Bearer {alice}",
+        "Accept": ACCEPT,
+        "Mcp-Session-Id": session_id,
+        "MCP-Protocol-Version": VERSION,
+        "Content-Type": "application/json",
+    }
+    huge = httpx.post(url, headers=headers, content=b" " * (5 * 1024 * 1024))
+    assert huge.status_code == 413
+    assert "payload_too_large" in huge.json()["error"]["message"]
