@@ -45,7 +45,12 @@ from board import grip
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.api import authentication
 from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
-from board.middleware import database_unavailable, disallowed_host, error_response
+from board.middleware import (
+    database_unavailable,
+    disallowed_host,
+    error_response,
+    is_database_outage,
+)
 from board.models import QueueLimit
 from board.relay import START, Cursor, Relay, StreamEvent, get_relay
 from board.sql import QUERIES
@@ -259,9 +264,14 @@ async def _recheck_open_streams() -> None:
             allowed = await sync_to_async(reauthorize, thread_sensitive=False)(
                 {stream.credentials for stream in batch}
             )
-        except Exception:
+        except Exception as exc:
             # A database outage, or a bug: keep the streams, and try again next time.
-            logger.exception("stream: could not re-check the credentials of open streams")
+            if is_database_outage(exc):
+                logger.warning(
+                    "stream: could not re-check the credentials of open streams: %s", exc
+                )
+            else:
+                logger.exception("stream: could not re-check the credentials of open streams")
             continue
         for stream in batch:
             access = allowed.get(stream.credentials)

@@ -9,7 +9,9 @@ from typing import Any
 
 import dj_database_url
 import dj_email_url
+import psycopg
 from django.core.exceptions import ImproperlyConfigured
+from psycopg.conninfo import conninfo_to_dict
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -207,6 +209,13 @@ else:
 # mode (PgBouncer), which cannot carry a LISTEN. Then no server-side cursor is used either:
 # it would outlive the transaction that its pooled connection was lent for.
 DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
+if DATABASE_LISTEN_URL:
+    try:
+        conninfo_to_dict(DATABASE_LISTEN_URL)
+    except psycopg.ProgrammingError as exc:
+        raise ImproperlyConfigured(
+            f"DATABASE_LISTEN_URL is not a URL it can use: {str(exc).strip()}"
+        ) from None
 
 # board.transitions prepares its statements on each session (planned once, not at every
 # call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
@@ -216,6 +225,8 @@ DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATA
 # Pushpin's publish endpoint and request signature (board.grip; django-grip's format):
 # streams are then held in Pushpin. `serve --pushpin` sets it for its processes.
 GRIP_URL = os.environ.get("GRIP_URL", "")
+if GRIP_URL and not GRIP_URL.lower().startswith(("http://", "https://")):
+    raise ImproperlyConfigured(f"GRIP_URL must be an http or https URL, not {GRIP_URL!r}")
 # How often Pushpin asks the board about each stream it holds: its credentials are checked
 # again (a revoked one ends the stream). Every held stream costs a request this often.
 TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int(

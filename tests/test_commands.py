@@ -252,6 +252,8 @@ def test_log_level_is_taken_in_any_case() -> None:
         ("LOG_LEVEL", "bogus", "LOG_LEVEL must be critical, error, warning, info or debug"),
         ("DATABASE_URL", "bogus", "DATABASE_URL is not a URL it can use"),
         ("EMAIL_URL", "smtp://host:port:x", "EMAIL_URL is not a URL it can use"),
+        ("DATABASE_LISTEN_URL", "bogus", "DATABASE_LISTEN_URL is not a URL it can use"),
+        ("GRIP_URL", "bogus", "GRIP_URL must be an http or https URL"),
         ("TASKBOARD_THREADS", "four", "TASKBOARD_THREADS must be an integer, not 'four'"),
     ],
 )
