@@ -1024,9 +1024,10 @@ class Client:
                 )
                 cause = exc
             except httpx.TransportError as exc:
+                # Only a change can have been made without an answer: a read is just retried.
+                maybe = "" if method == "GET" else "; the request may or may not have taken effect"
                 failure = Unavailable(
-                    f"No answer from {self.url} ({exc or type(exc).__name__}); "
-                    "the request may or may not have taken effect.",
+                    f"No answer from {self.url} ({exc or type(exc).__name__}){maybe}.",
                     code="no_answer",
                 )
                 cause = exc

@@ -758,6 +758,12 @@ def test_the_stream_yields_events_and_resumes_after_a_dropped_connection(
 # -- The lease helper --------------------------------------------------------------------
 
 
+def test_a_read_without_an_answer_does_not_say_it_may_have_changed_something() -> None:
+    with Client("bogus", "token", retries=0) as board, pytest.raises(Unavailable) as refused:
+        board.list_tasks()
+    assert "may or may not have taken effect" not in refused.value.detail, refused.value.detail
+
+
 class UnavailableOnce(httpx.BaseTransport):
     """The real transport, except that the first request whose path ends with ``path``
     is answered 503 with a Retry-After, as the board answers while its database is away."""
