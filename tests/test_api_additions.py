@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.db import connection
 from rest_framework.test import APIClient
 
 from board import transitions
@@ -431,6 +432,28 @@ def test_an_agents_last_sighting_survives_its_expired_lease_going_to_another(
 
     assert TaskEvent.objects.get(task_id=taken["id"], type="expired").actor == "system"
     assert last_seen() == seen_holding
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_expiry_never_takes_an_agents_last_sighting_back_across_hours(
+    agent_api: APIClient, api: Callable[[Any], APIClient], other_agent: Any
+) -> None:
+    create(agent_api)
+    create(agent_api, priority=-1)
+    [held] = claim(agent_api, lease_seconds=1)  # seen at its claim, then never again
+    time.sleep(0.05)
+    [done] = claim(agent_api)
+    post(agent_api, f"tasks/{done['id']}/complete/", {"lease_token": done["lease_token"]})
+    [smith] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
+    # The complete was counted in an hour gone by; the expiry goes to this hour's row.
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE agent_activity SET hour = hour - interval '1 hour'")
+    time.sleep(1.1)
+    [taken] = claim(api(other_agent))
+
+    assert taken["id"] == held["id"]
+    [after] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
+    assert after["last_seen_at"] == smith["last_seen_at"]
 
 
 def test_task_fields_include_the_additions(agent_api: APIClient) -> None:

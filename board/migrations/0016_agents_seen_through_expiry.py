@@ -9,7 +9,8 @@ another agent, its holder's last claim or heartbeat of it was forgotten and its
 
 The claim that records an expiry now puts that moment in the ``expired`` event's payload
 (``previous_holder_seen_at``: the task's ``updated_at`` as the holder left it), and the
-trigger counts it as the previous holder's sighting.
+trigger counts it as the previous holder's sighting, never earlier than the latest one
+already counted (which may be of an earlier hour's row).
 """
 
 from django.db import migrations
@@ -20,7 +21,15 @@ LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM agent_activity_add(
         agent,
-        max(seen_at),
+        -- An expiry's sighting may be older than the agent's latest, filed under an earlier
+        -- hour: GET agents/ reads the newest hour's row, which must never go back.
+        GREATEST(
+            max(seen_at),
+            CASE WHEN bool_or(type = 'expired') THEN (
+                SELECT a.last_seen_at FROM agent_activity a
+                WHERE a.agent = e.agent AND a.last_seen_at IS NOT NULL
+                ORDER BY a.hour DESC, a.last_seen_at DESC LIMIT 1
+            ) END),
         count(*) FILTER (WHERE type = 'completed'),
         count(*) FILTER (WHERE type = 'failed'),
         count(*) FILTER (WHERE type = 'expired'))
