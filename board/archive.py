@@ -127,10 +127,6 @@ def _months_before(boundary: datetime) -> list[datetime]:
     return [month for month in months if month < boundary]
 
 
-def _next_month(month: datetime) -> datetime:
-    return month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
-
-
 def _pending_deliveries(query: str, params: dict[str, Any]) -> dict[int, int]:
     """Return the pending deliveries that ``query`` (archive.sql) finds, by webhook id."""
     with connection.cursor() as cursor:
@@ -191,7 +187,9 @@ def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
     pagination: no server-side cursor, which a pooler in transaction mode would break).
     The month's bounds prune every other partition."""
     events = (
-        TaskEvent.objects.filter(created_at__gte=month, created_at__lt=_next_month(month))
+        TaskEvent.objects.filter(
+            created_at__gte=month, created_at__lt=transitions.month_after(month)
+        )
         .annotate(txid=RawSQL("txid::text", ()))
         .order_by("id")
     )

@@ -631,6 +631,11 @@ def split_default_event_partition(*, before: datetime) -> list[datetime]:
     return _retrying_lock_timeouts(split, attempts=20)
 
 
+def month_after(month: datetime) -> datetime:
+    """The first instant of the month after ``month`` (the first instant of a month)."""
+    return month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
+
+
 def drop_event_partition(*, month: datetime, count: int, id_sum: int) -> int:
     """Detach and drop the partition of task_events for ``month`` (its first instant, UTC),
     in one transaction, after checking under its lock that it holds exactly ``count``
@@ -645,13 +650,12 @@ def drop_event_partition(*, month: datetime, count: int, id_sum: int) -> int:
     drop and then finds its event gone (retry_deliveries). A transaction of its own, or
     the caller's; busy locks are retried only in its own.
     """
-    next_month = month.replace(year=month.year + month.month // 12, month=month.month % 12 + 1)
 
     def drop() -> int:
         with transaction.atomic():
             with translated_database_errors(), connection.cursor() as cursor:
                 cursor.execute(QUERIES["lock_event_log"])
-            bounds = {"month": month, "next_month": next_month}
+            bounds = {"month": month, "next_month": month_after(month)}
             if pending := _query("pending_deliveries_of_month", bounds):
                 raise PendingDeliveries(
                     {int(row["webhook_id"]): int(row["pending"]) for row in pending}

@@ -1317,6 +1317,8 @@ class Lease:
                     logger.info("task %s: %s; trying again in %.1f s", self.task.id, exc, delay)
                     time.sleep(delay)
                     with self._control:
+                        if self.lost and self.error is not None:
+                            raise self.error from exc  # lost meanwhile: say so, not "retry"
                         if self.lost or self._stopped:
                             raise
                         self._finished = True

@@ -109,13 +109,36 @@ class Supervisor(Multiprocess):
 
     def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
         super().__init__(config, sockets)
+        self._closing = False
         for sig in EXIT_SIGNALS:
             signal.signal(sig, self._exit_signal)
 
     def _exit_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._closing = True
         for sock in self.sockets:
             sock.close()
         self.signal_queue.append(signum)  # logged and acted on by uvicorn's loop, as before
+
+    # The signal may land while the loop starts a worker (one that exited, or asked for by
+    # SIGHUP or SIGTTIN): with the socket closed, none is started; a start under way fails
+    # on the closed socket, which is what stopping wants.
+    def keep_subprocess_alive(self) -> None:
+        self._unless_closing(super().keep_subprocess_alive)
+
+    def handle_hup(self) -> None:
+        self._unless_closing(super().handle_hup)
+
+    def handle_ttin(self) -> None:
+        self._unless_closing(super().handle_ttin)
+
+    def _unless_closing(self, step: Callable[[], None]) -> None:
+        if self._closing:
+            return
+        try:
+            step()
+        except (ValueError, OSError):
+            if not self._closing:
+                raise
 
 
 def _exit_normally(signum: int, frame: FrameType | None) -> None:

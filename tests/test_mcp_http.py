@@ -415,7 +415,7 @@ def test_a_waiting_claim_whose_session_is_deleted_gives_back_what_it_then_claims
     answered: list[Any] = []
     waiting = threading.Thread(
         target=lambda: answered.append(
-            call(url, alice, session_id, "claim_task", queues=["late"], wait=5)
+            call(url, alice, session_id, "claim_task", queues=["late"], wait=30)
         )
     )
     waiting.start()

@@ -28,9 +28,13 @@
   // began to arrive (not when this script ran, which can be a second later), and wrote
   // each event before the stream brought it. The largest reading is the closest.
   const [navigation] = performance.getEntriesByType("navigation");
-  const arrived = navigation?.responseStart
+  const now = Date.now();
+  let arrived = navigation?.responseStart
     ? performance.timeOrigin + navigation.responseStart
-    : Date.now();
+    : now;
+  // The performance clock can drift from the wall clock (a machine that slept): distrust
+  // a reading from the future or from long ago.
+  if (arrived > now || arrived < now - 60000) arrived = now;
   let skew = Date.parse(STATE.now) - arrived;
   const serverNow = () => Date.now() + skew;
   function readServerClock(iso) {
