@@ -31,10 +31,12 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 import uvicorn.protocols.http.httptools_impl
+from django.core.exceptions import ImproperlyConfigured
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
@@ -212,9 +214,14 @@ def _share_metrics() -> str | None:
     ``PROMETHEUS_MULTIPROC_DIR`` in the workers' environment (they are started after this,
     and read it when they first import the library), keeps each process's values in a file
     there, and a scrape of any worker sums them all (board.metrics). A fresh directory per
-    ``serve``, so that no count of an earlier run is added in.
+    ``serve``, so that no count of an earlier run is added in; the operator's own directory
+    is emptied of an earlier run's files (prometheus_client sums every file there).
     """
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if own := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if not os.path.isdir(own):
+            raise ImproperlyConfigured(f"PROMETHEUS_MULTIPROC_DIR is not a directory: {own}")
+        for stale in Path(own).glob("*.db"):
+            stale.unlink(missing_ok=True)
         return None
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="taskboard-metrics-")
     return os.environ["PROMETHEUS_MULTIPROC_DIR"]

@@ -102,3 +102,22 @@ def test_a_request_the_server_cannot_parse_gets_the_apis_json_error(tmp_path: Pa
     assert b"content-type: application/json" in head.lower(), head
     error = json.loads(body)
     assert error["error"] == "invalid" and error["detail"], error
+
+
+def test_an_operators_metrics_directory_must_exist_and_is_emptied_of_an_earlier_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A missing one crashed serve with a traceback; an earlier run's files were summed in.
+    from django.core.exceptions import ImproperlyConfigured
+
+    from taskboard import server
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ImproperlyConfigured, match="PROMETHEUS_MULTIPROC_DIR is not a directory"):
+        server._share_metrics()
+
+    (tmp_path / "histogram_123.db").write_bytes(b"old")
+    (tmp_path / "notes.txt").write_text("kept")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert server._share_metrics() is None  # the operator's: not removed at the end
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
