@@ -8,6 +8,7 @@ import gzip
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
@@ -643,3 +644,12 @@ def test_agents_keep_working_while_an_archive_runs(tmp_path: Path, agent: Any) -
     # Every cycle's created, claimed and completed events (a claim may take another's task).
     assert TaskEvent.objects.filter(id__gt=old_ids[-1]).count() == 3 * len(cycles)
     assert not TaskEvent.objects.filter(created_at__lt=month_start(1)).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_archive_with_nothing_before_its_boundary_says_so(tmp_path: Path) -> None:
+    out = StringIO()
+    call_command(
+        "archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"), stdout=out
+    )
+    assert out.getvalue().startswith(f"Nothing to archive: no month before {month_start(1):%Y-%m}")

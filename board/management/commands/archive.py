@@ -51,8 +51,14 @@ class Command(BaseCommand):
                 f"{month.month:%Y-%m}: {month.events:,} event{'' if month.events == 1 else 's'} "
                 f"(sha256 {month.sha256})"
             )
+        if not done.months:
+            self.stdout.write(
+                f"Nothing to archive: no month before {before:%Y-%m} is in the database "
+                f"({done.path} holds no event)."
+            )
+            return
         self.stdout.write(
-            f"Archived {done.events:,} events of {len(done.months)} "
-            f"month{'' if len(done.months) == 1 else 's'} to {done.path}; "
+            f"Archived {done.events:,} event{'' if done.events == 1 else 's'} of "
+            f"{len(done.months)} month{'' if len(done.months) == 1 else 's'} to {done.path}; "
             "those months are no longer in the database."
         )
