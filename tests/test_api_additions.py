@@ -409,6 +409,12 @@ def test_agents_lists_who_holds_what_and_how_their_leases_ended(
     }
 
 
+def last_seen_of(client: APIClient, name: str = "agent-smith") -> str:
+    """The ``last_seen_at`` that GET agents/ shows for the agent ``name``."""
+    [agent] = [a for a in get(client, "agents/").json() if a["name"] == name]
+    return str(agent["last_seen_at"])
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_agents_last_sighting_survives_its_expired_lease_going_to_another(
     agent_api: APIClient, api: Callable[[Any], APIClient], other_agent: Any
@@ -422,16 +428,12 @@ def test_an_agents_last_sighting_survives_its_expired_lease_going_to_another(
     time.sleep(0.05)
     claim(agent_api, lease_seconds=1)
 
-    def last_seen() -> str:
-        [smith] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
-        return str(smith["last_seen_at"])
-
-    seen_holding = last_seen()
+    seen_holding = last_seen_of(agent_api)
     time.sleep(1.1)
     [taken] = claim(api(other_agent))
 
     assert TaskEvent.objects.get(task_id=taken["id"], type="expired").actor == "system"
-    assert last_seen() == seen_holding
+    assert last_seen_of(agent_api) == seen_holding
 
 
 @pytest.mark.django_db(transaction=True)
@@ -444,7 +446,7 @@ def test_an_expiry_never_takes_an_agents_last_sighting_back_across_hours(
     time.sleep(0.05)
     [done] = claim(agent_api)
     post(agent_api, f"tasks/{done['id']}/complete/", {"lease_token": done["lease_token"]})
-    [smith] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
+    seen_completing = last_seen_of(agent_api)
     # The complete was counted in an hour gone by; the expiry goes to this hour's row.
     with connection.cursor() as cursor:
         cursor.execute("UPDATE agent_activity SET hour = hour - interval '1 hour'")
@@ -452,8 +454,7 @@ def test_an_expiry_never_takes_an_agents_last_sighting_back_across_hours(
     [taken] = claim(api(other_agent))
 
     assert taken["id"] == held["id"]
-    [after] = [a for a in get(agent_api, "agents/").json() if a["name"] == "agent-smith"]
-    assert after["last_seen_at"] == smith["last_seen_at"]
+    assert last_seen_of(agent_api) == seen_completing
 
 
 def test_task_fields_include_the_additions(agent_api: APIClient) -> None:
