@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -200,10 +202,26 @@ def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
         after = chunk[-1].pk
 
 
-def _open(path: Path, mode: str, *, gzipped: bool) -> IO[str]:
+def _reading(path: Path, *, gzipped: bool) -> IO[str]:
     if gzipped:
-        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
-    return path.open(mode, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+@contextmanager
+def _writing(path: Path, *, final_name: str, gzipped: bool) -> Iterator[IO[str]]:
+    """Write ``path``, which is renamed to ``final_name`` once verified: a gzip header names
+    the file by that name (what ``gunzip -N`` restores), not by the one it is written as."""
+    if not gzipped:
+        with path.open("w", encoding="utf-8") as out:
+            yield out
+        return
+    with (
+        path.open("wb") as raw,
+        gzip.GzipFile(filename=final_name, mode="wb", fileobj=raw) as zipped,
+        io.TextIOWrapper(zipped, encoding="utf-8") as out,
+    ):
+        yield out
 
 
 def _month_of(line: dict[str, Any]) -> date:
@@ -213,7 +231,7 @@ def _month_of(line: dict[str, Any]) -> date:
 
 def _read_back(path: Path, *, gzipped: bool) -> dict[date, Tally]:
     tallies: dict[date, Tally] = {}
-    with _open(path, "r", gzipped=gzipped) as lines:
+    with _reading(path, gzipped=gzipped) as lines:
         for text in lines:
             line = json.loads(text)
             tallies.setdefault(_month_of(line), Tally()).add(line)
@@ -236,7 +254,7 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
     partial = to.with_name(to.name + ".partial")
     gzipped = to.name.endswith(".gz")
     written: dict[date, Tally] = {}
-    with _open(partial, "w", gzipped=gzipped) as out:
+    with _writing(partial, final_name=to.name, gzipped=gzipped) as out:
         for month in months:
             tally = written.setdefault(month.date(), Tally())
             for line in _events_of(month):

@@ -273,6 +273,22 @@ def test_an_archive_holds_every_event_of_those_months_and_the_database_the_rest(
     assert not (tmp_path / f"{name}.partial").exists()
 
 
+@pytest.mark.django_db
+def test_a_gzipped_archive_names_itself_in_its_header(
+    history: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """gzip's header carries the file's name (``gunzip -N`` restores it): the archive's
+    own, not the ``.partial`` it was written as before it was verified."""
+    target = tmp_path / "events-2026.jsonl.gz"
+
+    call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(target))
+
+    header = target.read_bytes()
+    assert header[:2] == b"\x1f\x8b" and header[3] & 0x08, "no name in the gzip header"
+    assert header[10 : header.index(b"\0", 10)] == b"events-2026.jsonl"
+    assert [line["id"] for line in read_lines(target)] == history["archived"]
+
+
 def _api_events(ids: list[int]) -> list[dict[str, Any]]:
     from board.api.serializers import EventSerializer
 
