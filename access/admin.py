@@ -21,6 +21,7 @@ from django.utils.cache import add_never_cache_headers
 
 from access import tokens
 from access.models import ApiToken
+from board.access import queue_access
 from board.admin import SelectionChecked
 
 
@@ -29,15 +30,23 @@ def may_issue_for(actor: Any, user: Any) -> bool:
 
     A token acts as its user, so only a superuser may mint one for another staff member
     or superuser: otherwise the permission to manage tokens would be every permission.
+    For the same reason, staff limited to some queues may only mint tokens of users who
+    are limited to some of those queues: the token of an unlimited agent, or of an agent
+    of another queue, would reach the queues their limit keeps them from.
     """
-    return bool(
-        actor.is_superuser or actor.pk == user.pk or not (user.is_staff or user.is_superuser)
-    )
+    if actor.pk == user.pk:
+        return True
+    if not queue_access(actor).covers(queue_access(user)):
+        return False
+    return bool(actor.is_superuser or not (user.is_staff or user.is_superuser))
 
 
 def check_may_issue_for(actor: Any, users: list[Any]) -> None:
     if not all(may_issue_for(actor, user) for user in users):
-        raise PermissionDenied("Only a superuser may issue or rotate the token of staff.")
+        raise PermissionDenied(
+            "Only a superuser may issue or rotate the token of staff, and staff limited to "
+            "some queues only that of users limited to some of theirs."
+        )
 
 
 @admin.register(ApiToken)

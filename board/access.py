@@ -44,6 +44,10 @@ class QueueAccess:
     def allows(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
 
+    def covers(self, other: QueueAccess) -> bool:
+        """Whether every queue ``other`` allows is allowed here too."""
+        return self.queues is None or (other.queues is not None and other.queues <= self.queues)
+
     def check(self, *queues: str) -> None:
         """Raise ForbiddenQueue unless every one of ``queues`` is allowed."""
         refused = [queue for queue in queues if not self.allows(queue)]

@@ -259,6 +259,52 @@ def test_only_a_superuser_issues_or_rotates_the_token_of_staff(agent: Any, setti
     assert api_client(shown_token(issue_for_agent)).get("/api/v1/tasks/").status_code == 200
 
 
+@pytest.mark.django_db
+def test_staff_limited_to_queues_mint_tokens_only_of_users_within_their_queues(
+    settings: Any,
+) -> None:
+    """A token reaches what its user reaches: staff limited to queue a who may manage
+    tokens must not reach queue b by issuing or rotating the token of an unlimited agent,
+    or of an agent of queue b."""
+    from django.contrib.auth.models import Permission
+
+    from board.access import limit_queues
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    keeper = StaffFactory(username="ops-limited")
+    keeper.user_permissions.add(
+        *Permission.objects.filter(codename__in=["add_apitoken", "change_apitoken"])
+    )
+    limit_queues(keeper, ["a"])
+    unlimited = UserFactory(username="carol")
+    unlimited_token = str(TokenFactory(user=unlimited).key)
+    of_b = UserFactory(username="bob")
+    limit_queues(of_b, ["b"])
+    TokenFactory(user=of_b)
+    of_a = UserFactory(username="alice")
+    limit_queues(of_a, ["a"])
+    TokenFactory(user=of_a)
+    tokenless = UserFactory(username="dave")
+    client = Client()
+    client.force_login(keeper)
+
+    rotate_unlimited = client.post(reverse("admin:access_apitoken_rotate", args=[unlimited.pk]))
+    rotate_many = client.post(
+        TOKENS_URL, {"action": "rotate", "_selected_action": [unlimited.pk, of_a.pk]}
+    )
+    rotate_of_b = client.post(reverse("admin:access_apitoken_rotate", args=[of_b.pk]))
+    issue_unlimited = client.post(reverse("admin:access_apitoken_add"), {"user": tokenless.pk})
+    rotate_of_a = client.post(reverse("admin:access_apitoken_rotate", args=[of_a.pk]))
+
+    assert rotate_unlimited.status_code == 403
+    assert rotate_many.status_code == 403
+    assert rotate_of_b.status_code == 403
+    assert issue_unlimited.status_code == 403
+    assert not ApiToken.objects.filter(user=tokenless).exists()
+    assert api_client(unlimited_token).get("/api/v1/tasks/").status_code == 200
+    assert api_client(shown_token(rotate_of_a)).get("/api/v1/tasks/").status_code == 200
+
+
 # Failed authentication throttled
 
 
