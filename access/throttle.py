@@ -1,12 +1,16 @@
 """Failed authentication, throttled per client address, across every server process.
 
-After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stream, failed
-logins at /admin/login/ and /accounts/login/) from one address within a window of
+After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stream to a
+request that presented credentials, failed logins at /admin/login/ and /accounts/login/)
+from one address within a window of
 TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS, every request from that address that would
 authenticate answers ``429 {"error": "throttled"}`` (a page at the login forms) with
 ``Retry-After`` until the window ends, even one carrying a valid token: otherwise a
 guesser would learn from the status which guess was right. Successful requests count
-nothing, so a client that only ever authenticates successfully is never throttled.
+nothing, so a client that only ever authenticates successfully is never throttled; nor
+does a request that presents no credentials (no ``Authorization`` header: anonymous, or a
+session that ended), which guesses nothing: a board left open after its user logged out
+asks again and again, and must not lock out everyone behind the same address.
 
 The counts live in PostgreSQL (the UNLOGGED ``auth_failures`` table, one upsert per
 failure), not in process memory, so that N processes on one database enforce one limit.
@@ -200,6 +204,13 @@ def page(seconds: int) -> HttpResponse:
     return response
 
 
+def presented_credentials(authorization: str) -> bool:
+    """Whether a request with this ``Authorization`` header tried to authenticate with
+    something a guesser could guess (a token, a password). A session cookie is no such
+    thing: its key is random, and a stale one is a session that ended."""
+    return bool(authorization.strip())
+
+
 def address_of(request: HttpRequest) -> str:
     return str(request.META.get("REMOTE_ADDR") or "")
 
@@ -257,7 +268,10 @@ class FailedAuthenticationThrottle:
         if seconds is not None:
             return throttled(seconds) if request.path.startswith(API_PREFIX) else page(seconds)
         response = self.get_response(request)
-        if response.status_code == 401 or guessed_a_password_wrong(request, response):
+        failed = response.status_code == 401 and presented_credentials(
+            request.META.get("HTTP_AUTHORIZATION", "")
+        )
+        if failed or guessed_a_password_wrong(request, response):
             try:
                 record_failure(address)
             except Exception as exc:

@@ -328,6 +328,30 @@ def test_the_open_board_keeps_a_persons_lease_alive_and_says_when_it_is_lost(
     expect(card(page, "in_progress", task.id)).to_contain_text("Lease lost")
 
 
+def test_a_board_whose_session_ended_says_so_and_stops_asking(
+    page: Page, person: Any, make_task: Callable[..., Task], settings: Any
+) -> None:
+    """Logged out elsewhere (or the session expired), an open board would ask for its
+    stream, its panels and its leases' heartbeats for as long as it stays open, every one
+    answered 401: it says the person is signed out and asks nothing more."""
+    from django.contrib.sessions.models import Session
+
+    claim_on_the_board(page, person, make_task, settings)  # heartbeats every second
+    wait_until_live(page)
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+
+    Session.objects.all().delete()
+
+    expect(page.get_by_role("alert")).to_contain_text("You are signed out", timeout=5000)
+    expect(page.locator(".live")).to_have_text("Signed out")
+    login = page.get_by_role("link", name="Log in again")
+    expect(login).to_have_attribute("href", "/accounts/login/?next=%2F")
+    asked.clear()
+    time.sleep(16)  # past the panels' refresh (15 s), many heartbeats, a stream retry
+    assert asked == []
+
+
 def test_the_lost_lease_warning_clears_once_the_task_is_finished(
     page: Page, person: Any, make_task: Callable[..., Task], settings: Any
 ) -> None:

@@ -346,14 +346,12 @@ def test_a_client_that_only_authenticates_successfully_is_never_throttled(agent:
 
 
 @pytest.mark.django_db
-def test_failed_session_authentication_counts_and_a_session_is_throttled_too(
-    agent: Any, settings: Any
-) -> None:
+def test_a_session_is_throttled_too(agent: Any, settings: Any) -> None:
     settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
     fresh_window()
     browser = Client(REMOTE_ADDR="10.0.0.9")
-    for _ in range(3):  # no session: 401
-        assert browser.get("/api/v1/tasks/").status_code == 401
+    for _ in range(3):
+        assert browser.get("/api/v1/tasks/", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
     browser.force_login(agent)
 
     assert_throttled(browser.get("/api/v1/tasks/"))
@@ -493,7 +491,7 @@ def test_the_stream_counts_failures_and_is_throttled(server: LiveServer, agent: 
     fresh_window()
     url = f"{server.url}/api/v1/stream/"
     for n in range(30):
-        headers = {"Authorization": "Bearer wrong"} if n % 2 else {}
+        headers = {"Authorization": "Bearer wrong" if n % 2 else "Token wrong"}
         assert httpx.get(url, headers=headers).status_code == 401
 
     refused = httpx.get(url, headers={"Authorization": f"Bearer {token}"})
@@ -504,6 +502,24 @@ def test_the_stream_counts_failures_and_is_throttled(server: LiveServer, agent: 
     # The API shares the count: it is one throttle.
     tasks = httpx.get(f"{server.url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
     assert tasks.status_code == 429
+
+
+@pytest.mark.django_db(transaction=True)
+def test_requests_without_credentials_count_nothing(server: LiveServer, agent: Any) -> None:
+    """A board left open after its user logged out asks for the stream and the panels
+    again and again, with a session that ended and no token: that guesses nothing, and
+    must not lock out the agents behind the same address."""
+    token = str(TokenFactory(user=agent).key)
+    logged_out = httpx.Client(base_url=server.url, cookies={"sessionid": "ended" * 6})
+    fresh_window()
+    for path in ("/api/v1/stream/", "/api/v1/queues/", "/api/v1/agents/", "/metrics") * 10:
+        assert logged_out.get(path).status_code == 401
+        assert httpx.get(f"{server.url}{path}").status_code == 401
+
+    tasks = httpx.get(f"{server.url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"})
+
+    assert tasks.status_code == 200, tasks.text
+    assert not AuthFailure.objects.exists()
 
 
 @pytest.mark.django_db(transaction=True)

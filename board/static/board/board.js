@@ -211,7 +211,33 @@
     } catch {
       data = null;
     }
+    if (response.status === 401) sessionEnded();
     return { ok: response.ok, status: response.status, data };
+  }
+
+  // -- A session that ended --------------------------------------------------------------
+  // A page left open after its user logged out (or the session expired) would go on asking
+  // for the stream and the panels, each answered 401, for as long as it stays open: the
+  // first 401 stops both and says so.
+
+  let signedOut = false;
+  const onSessionEnd = []; // what stops then: the stream
+
+  function sessionEnded() {
+    if (signedOut) return;
+    signedOut = true;
+    for (const stop of onSessionEnd) stop();
+    const next = encodeURIComponent(location.pathname + location.search);
+    const notice = notify("You are signed out: this page no longer follows the board. ", {
+      kind: "error",
+      sticky: true,
+    });
+    notice.firstChild.append(h("a", { href: `/accounts/login/?next=${next}` }, "Log in again"));
+    const indicator = document.querySelector(".live");
+    if (indicator) {
+      indicator.dataset.stream = "offline";
+      indicator.textContent = "Signed out";
+    }
   }
 
   function errorText(result, fallback) {
@@ -274,7 +300,7 @@
     /** Heartbeat every third of the lease (and at once when ``now``). */
     keepAlive(id, now = false) {
       const lease = this.get(id);
-      if (!lease || this.timers.has(id)) return;
+      if (!lease || this.timers.has(id) || signedOut) return;
       const every = Math.max(1000, (lease.seconds * 1000) / 3);
       this.timers.set(id, setInterval(() => this.beat(id), every));
       if (now) this.beat(id);
@@ -320,6 +346,12 @@
       else this.beat(task.id);
     },
   };
+  // Heartbeats answered 401 keep no lease: stop them with the session (the lease runs out,
+  // as when the tab closes).
+  onSessionEnd.push(() => {
+    for (const timer of Leases.timers.values()) clearInterval(timer);
+    Leases.timers.clear();
+  });
 
   const PAST = { complete: "Completed", fail: "Failed", release: "Released" };
   const FINISHED = new Set(["done", "cancelled"]);
@@ -488,10 +520,14 @@
       indicator.textContent = text;
     }
 
+    let source = null;
+    onSessionEnd.push(() => source?.close());
+
     function open() {
+      if (signedOut) return;
       // The query names where to resume; on its own reconnects EventSource sends the last
       // id it received as Last-Event-ID, which the server prefers.
-      const source = new EventSource(`/api/v1/stream/?lastEventId=${encodeURIComponent(last)}`);
+      source = new EventSource(`/api/v1/stream/?lastEventId=${encodeURIComponent(last)}`);
       source.addEventListener("open", () => {
         delay = 1000;
         show("live", "Live");
@@ -507,10 +543,15 @@
         readServerClock(event.created_at);
         onEvent(event);
       });
-      source.addEventListener("error", () => {
-        if (source.readyState === EventSource.CLOSED) {
-          // Refused (a 503, or the session ended): EventSource gives up; try again later.
+      source.addEventListener("error", async () => {
+        if (signedOut) {
+          source.close();
+        } else if (source.readyState === EventSource.CLOSED) {
+          // Refused (a 503, or the session ended): EventSource gives up. Ask the API which
+          // (a 401 there ends the page's session: sessionEnded); try again later unless so.
           show("offline", "Offline, retrying");
+          await api("GET", "queues/");
+          if (signedOut) return;
           setTimeout(open, delay);
           delay = Math.min(delay * 2, 30000);
         } else {
@@ -728,6 +769,7 @@
     let last = 0;
     async function refresh() {
       timer = null;
+      if (signedOut) return;
       last = Date.now();
       const [queues, agents] = await Promise.all([api("GET", "queues/"), api("GET", "agents/")]);
       if (queues.ok) {
