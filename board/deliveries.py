@@ -32,6 +32,8 @@ import hmac
 import json
 import logging
 import random
+import smtplib
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +45,7 @@ import httpx
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.mail import EmailMessage, get_connection
+from django.core.mail.backends import smtp
 from django.db import Error as DatabaseError
 from django.db import connection
 from django.db.models import Q
@@ -227,13 +230,72 @@ def next_due() -> float | None:
     return max(0.0, (row[0] - timezone.now()).total_seconds())
 
 
+class _Bounded:
+    """One deadline for a whole SMTP session, for ``smtplib.SMTP`` (mixed in before it).
+
+    smtplib's timeout bounds each read and write, so a server that answers every command
+    just in time keeps the session going for many timeouts; and a thread cannot be
+    stopped from outside, so the attempt that gave up waiting for it would still send the
+    email afterwards, and its retry would send it again. Every command and reply goes
+    through ``send`` and ``getreply``: each gets what is left of the deadline, and none is
+    made past it (the socket is closed, and the attempt fails before the message is
+    handed over, when it has not been yet).
+    """
+
+    sock: socket.socket | None
+
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any) -> None:
+        self.deadline = deadline
+        super().__init__(*args, **kwargs)
+
+    def _within_deadline(self) -> None:
+        if self.sock is None:  # not connected: smtplib raises SMTPServerDisconnected
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.close()  # type: ignore[attr-defined]
+            raise TimeoutError("the SMTP server did not take the email in time")
+        self.sock.settimeout(left)
+
+    def send(self, s: Any) -> None:
+        self._within_deadline()
+        super().send(s)  # type: ignore[misc]
+
+    def getreply(self) -> tuple[int, bytes]:
+        self._within_deadline()
+        return super().getreply()  # type: ignore[misc]
+
+
+class _BoundedSMTP(_Bounded, smtplib.SMTP):
+    pass
+
+
+class _BoundedSMTPSSL(_Bounded, smtplib.SMTP_SSL):
+    pass
+
+
+class BoundedEmailBackend(smtp.EmailBackend):
+    """Django's SMTP backend, with the whole session (connect to QUIT) within ``budget``
+    seconds of its making (:class:`_Bounded`)."""
+
+    def __init__(self, *, budget: float, **kwargs: Any) -> None:
+        super().__init__(timeout=budget, **kwargs)
+        self.deadline = time.monotonic() + budget
+
+    @property
+    def connection_class(self) -> Any:
+        bounded = _BoundedSMTPSSL if self.use_ssl else _BoundedSMTP
+        return functools.partial(bounded, deadline=self.deadline)
+
+
 def send_email(out: Outgoing) -> None:
     """Send the escalation email through Django's email framework (EMAIL_URL)."""
+    if settings.EMAIL_BACKEND == "django.core.mail.backends.smtp.EmailBackend":
+        backend: Any = BoundedEmailBackend(budget=timeout_seconds())
+    else:  # another backend that settings name (tests: Django's in-memory one)
+        backend = get_connection(timeout=timeout_seconds())
     mail = EmailMessage(
-        subject=out.subject,
-        body=out.body.decode(),
-        to=out.recipients,
-        connection=get_connection(timeout=timeout_seconds()),
+        subject=out.subject, body=out.body.decode(), to=out.recipients, connection=backend
     )
     mail.send()
 
@@ -244,6 +306,8 @@ async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int |
         return False, None, out.problem
     if out.kind == WebhookKind.EMAIL:
         try:
+            # The session ends by its own deadline (BoundedEmailBackend): this only bounds
+            # another backend, or a thread that could not start in time.
             await asyncio.wait_for(asyncio.to_thread(send_email, out), timeout_seconds() + 1)
         except Exception as exc:  # any refusal by the SMTP server, or none at all
             return False, None, f"email not sent: {exc!r}"[:2000]

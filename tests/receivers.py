@@ -3,6 +3,7 @@ answers as a test scripts it, and an SMTP server (aiosmtpd)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -108,10 +109,26 @@ class WebhookReceiver:
 
 
 class _Inbox:
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         self.messages: list[Message] = []
+        self.delay = delay
+
+    async def handle_MAIL(
+        self, server: Any, session: Any, envelope: Any, address: str, options: Any
+    ) -> str:
+        await asyncio.sleep(self.delay)
+        envelope.mail_from = address
+        return "250 OK"
+
+    async def handle_RCPT(
+        self, server: Any, session: Any, envelope: Any, address: str, options: Any
+    ) -> str:
+        await asyncio.sleep(self.delay)
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
 
     async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        await asyncio.sleep(self.delay)
         message = message_from_bytes(envelope.content)
         message["X-Envelope-To"] = ", ".join(envelope.rcpt_tos)
         self.messages.append(message)
@@ -119,9 +136,10 @@ class _Inbox:
 
 
 @contextmanager
-def smtp_receiver() -> Iterator[tuple[int, list[Message]]]:
-    """Run a real SMTP server on a free port; yield its port and the messages it accepts."""
-    inbox = _Inbox()
+def smtp_receiver(delay: float = 0.0) -> Iterator[tuple[int, list[Message]]]:
+    """Run a real SMTP server on a free port; yield its port and the messages it accepts.
+    It answers MAIL, RCPT and the end of DATA each ``delay`` seconds late."""
+    inbox = _Inbox(delay)
     port = free_port()
     controller = Controller(inbox, hostname="127.0.0.1", port=port)
     controller.start()

@@ -3,7 +3,10 @@ HTTP server that fails, times out and recovers, and an SMTP server."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -240,6 +243,41 @@ def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
             lambda: not Webhook.objects.filter(kind="email", active=True).exists(),
             what="the emails turned off",
         )
+
+
+def test_an_smtp_server_too_slow_for_the_timeout_gets_no_email_it_would_get_again(
+    settings: Any,
+) -> None:
+    """Each of its answers comes within the timeout, the whole session does not: the
+    attempt fails, and the email is not sent after all (the retry sends it). It was: the
+    thread went on with the session after the attempt had given up on it, and a slow
+    server got one copy per retry."""
+    import httpx
+
+    settings.TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = 1
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    out = deliveries.Outgoing(
+        1, uuid.uuid4(), 0, kind="email", subject="s", body=b"b", recipients=["a@example.com"]
+    )
+
+    async def attempt() -> tuple[bool, int | None, str | None]:
+        async with httpx.AsyncClient() as client:
+            return await deliveries.attempt(out, client)
+
+    with smtp_receiver(delay=0.8) as (port, inbox):
+        settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", port
+        started = time.monotonic()
+        delivered, _, error = asyncio.run(attempt())
+        took = time.monotonic() - started
+        time.sleep(2.5)  # long enough for a session that went on to finish
+        assert inbox == []
+        assert not delivered and "time" in str(error).lower(), error
+        assert took < 1.5
+
+    with smtp_receiver(delay=0.2) as (port, inbox):  # slow, but within the timeout
+        settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", port
+        assert asyncio.run(attempt())[0]
+        assert len(inbox) == 1
 
 
 def test_escalation_emails_go_to_active_staff_with_an_email_by_default(
