@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
 from django.db import connection
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from board import transitions
@@ -341,6 +343,35 @@ def test_queues_lists_each_queue_with_its_counts(agent_api: APIClient, staff: An
     assert queues["docs"]["counts"]["cancelled"] == 1
     assert queues["docs"]["oldest_pending_at"] is None
     assert set(queues["docs"]) == {"name", "paused", "counts", "oldest_pending_at"}
+
+
+@pytest.mark.django_db
+def test_oldest_pending_at_is_that_of_the_oldest_task_that_can_be_claimed(
+    agent_api: APIClient,
+) -> None:
+    """A task that is not due yet (run_after in the future, or failed with retry_after)
+    waits by design: the queue's oldest pending task is the oldest one a claim could take,
+    or none (the metric's age, and the alert on it, read this)."""
+    later = (timezone.now() + timedelta(hours=1)).isoformat()
+    create(agent_api, queue="scheduled", run_after=later)
+    retried = create(agent_api, queue="retried")
+    [claimed] = claim(agent_api, queues=["retried"])
+    failed = post(
+        agent_api,
+        f"tasks/{retried['id']}/fail/",
+        {"lease_token": claimed["lease_token"], "error": "later", "retry_after": 600},
+    )
+    assert failed.status_code == 200, failed.content
+    create(agent_api, queue="mixed", run_after=later)
+    due = create(agent_api, queue="mixed")
+
+    queues = {q["name"]: q for q in get(agent_api, "queues/").json()}
+
+    assert queues["scheduled"]["counts"]["pending"] == 1
+    assert queues["scheduled"]["oldest_pending_at"] is None
+    assert queues["retried"]["counts"]["pending"] == 1
+    assert queues["retried"]["oldest_pending_at"] is None
+    assert queues["mixed"]["oldest_pending_at"] == due["created_at"]
 
 
 def test_a_limited_agent_sees_only_its_queues(

@@ -432,7 +432,11 @@ class QueueSerializer(serializers.Serializer[Any]):
     paused = serializers.BooleanField(help_text="Its tasks are not handed out by claims.")
     counts = QueueCountsSerializer()
     oldest_pending_at = serializers.DateTimeField(
-        allow_null=True, help_text="When its oldest pending, unblocked task was created."
+        allow_null=True,
+        help_text=(
+            "When its oldest claimable task (pending, unblocked and due: not run_after a "
+            "time still to come) was created; null when it has none."
+        ),
     )
 
 
