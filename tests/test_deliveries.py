@@ -280,6 +280,25 @@ def test_an_smtp_server_too_slow_for_the_timeout_gets_no_email_it_would_get_agai
         assert len(inbox) == 1
 
 
+def test_emails_queued_while_email_was_on_wait_while_it_is_off(
+    make_task: Callable[..., Any], agent: Any
+) -> None:
+    """With EMAIL_URL unset ("no email"), an email queued before is not sent (through
+    Django's default, localhost:25) nor retried: it waits, and goes once email is on."""
+    email = transitions.set_email_channel(active=True)
+    escalate(make_task, agent)
+    [queued] = Delivery.objects.filter(webhook=email)
+    transitions.set_email_channel(active=False)
+
+    assert transitions.claim_deliveries(limit=10, lease_seconds=30) == []
+    assert deliveries.next_due() is None
+
+    transitions.set_email_channel(active=True)
+    assert deliveries.next_due() == 0.0
+    [claimed] = transitions.claim_deliveries(limit=10, lease_seconds=30)
+    assert claimed.pk == queued.pk
+
+
 def test_escalation_emails_go_to_active_staff_with_an_email_by_default(
     quick: Any, make_task: Callable[..., Any], agent: Any
 ) -> None:

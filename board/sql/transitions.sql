@@ -600,10 +600,12 @@ RETURNING *;
 -- lease moves next_attempt_at to its end: a process killed mid-delivery leaves a row that
 -- falls due again when the lease runs out, and another process (or the restarted one)
 -- tries again. Each claim counts an attempt and draws a fresh token; only the holder of
--- the token records the outcome.
+-- the token records the outcome. The deliveries of an inactive channel (the emails, with
+-- EMAIL_URL unset) wait, pending, until it is active again.
 WITH due AS (
-    SELECT id FROM webhook_deliveries
+    SELECT id FROM webhook_deliveries d
     WHERE status = 'pending' AND next_attempt_at <= now()
+      AND EXISTS (SELECT 1 FROM webhooks w WHERE w.id = d.webhook_id AND w.active)
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -676,6 +678,10 @@ WITH rearmed AS (
 SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM rearmed;
 
 -- name: next_delivery_due
--- When the next pending delivery falls due (a retry, or a lease running out), from the
--- partial index: the dispatcher sets its timer to it.
-SELECT min(next_attempt_at) AS due FROM webhook_deliveries WHERE status = 'pending';
+-- When the next pending delivery that claim_deliveries would take falls due (a retry, or
+-- a lease running out), from the partial index: the dispatcher sets its timer to it.
+SELECT d.next_attempt_at AS due FROM webhook_deliveries d
+WHERE d.status = 'pending'
+  AND EXISTS (SELECT 1 FROM webhooks w WHERE w.id = d.webhook_id AND w.active)
+ORDER BY d.next_attempt_at
+LIMIT 1;
