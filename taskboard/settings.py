@@ -10,7 +10,8 @@ from typing import Any
 import dj_database_url
 import dj_email_url
 import psycopg
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.core.validators import validate_email
 from psycopg.conninfo import conninfo_to_dict
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -373,23 +374,17 @@ if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_
 # Slack messages and emails to a task's admin page.
 TASKBOARD_PUBLIC_URL = os.environ.get("TASKBOARD_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 # Seconds a receiver has to answer a delivery with a 2xx (the contract's 10 s).
-TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10)
+TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10, minimum=1)
 # A failed attempt is retried after a random delay of up to BACKOFF * 2^(attempts-1) seconds
 # (at most MAX_BACKOFF: exponential backoff, full jitter), for HORIZON seconds after the
 # event (the contract's 24 hours), then marked failed.
-TASKBOARD_DELIVERY_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_BACKOFF_SECONDS", 10)
-TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS", 3600)
-TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int("TASKBOARD_DELIVERY_HORIZON_SECONDS", 24 * 3600)
-if (
-    min(
-        TASKBOARD_WEBHOOK_TIMEOUT_SECONDS,
-        TASKBOARD_DELIVERY_BACKOFF_SECONDS,
-        TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS,
-        TASKBOARD_DELIVERY_HORIZON_SECONDS,
-    )
-    < 1
-):
-    raise ImproperlyConfigured("The webhook timeout, backoffs and horizon must be 1 s or more.")
+TASKBOARD_DELIVERY_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_BACKOFF_SECONDS", 10, minimum=1)
+TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = env_int(
+    "TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS", 3600, minimum=1
+)
+TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int(
+    "TASKBOARD_DELIVERY_HORIZON_SECONDS", 24 * 3600, minimum=1
+)
 # EMAIL_URL (smtp://user:password@host:587/?tls=True, parsed by dj-email-url): when set,
 # every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
 # user with an email).
@@ -397,8 +392,25 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
 EMAIL_URL = os.environ.get("EMAIL_URL", "")
 if EMAIL_URL:
     # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
-    vars().update(env_url("EMAIL_URL", dj_email_url.parse))
+    _email = env_url("EMAIL_URL", dj_email_url.parse)
+    if _email.get("EMAIL_BACKEND") is None:
+        # dj-email-url reads any text: a scheme it does not know leaves no backend, and
+        # every email would then fail, until each one's horizon.
+        raise ImproperlyConfigured(
+            # Not the value: it may hold the server's password.
+            "EMAIL_URL is not a URL it can use: give smtp://host:port (or submission://, "
+            "console:, dummy:)"
+        )
+    vars().update(_email)
 TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
+for _address in TASKBOARD_ESCALATION_EMAILS:
+    try:
+        validate_email(_address)
+    except ValidationError:
+        raise ImproperlyConfigured(
+            f"TASKBOARD_ESCALATION_EMAILS must be email addresses, comma-separated: not "
+            f"{_address!r}"
+        ) from None
 
 # Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
 LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "INFO").upper()
