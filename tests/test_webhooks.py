@@ -55,6 +55,12 @@ def test_a_new_webhook_gets_a_generated_secret_shown_once(staff_api: APIClient) 
     assert listed["next"] is None
 
 
+def test_repeated_events_and_queues_are_kept_once(staff_api: APIClient) -> None:
+    created = add_webhook(staff_api, events=["failed", "failed"], queues=["q1", "q2", "q1"])
+    assert (created["events"], created["queues"]) == (["failed"], ["q1", "q2"])
+    assert Webhook.objects.get(pk=created["id"]).queues == ["q1", "q2"]
+
+
 def test_a_given_secret_events_queues_and_format_are_kept(staff_api: APIClient) -> None:
     created = add_webhook(
         staff_api,
@@ -89,6 +95,7 @@ def test_a_given_secret_events_queues_and_format_are_kept(staff_api: APIClient) 
         ({"url": "https://example.com", "events": "escalated"}, "events"),
         ({"url": "https://example.com", "queues": ["Not A Queue"]}, "queues"),
         ({"url": "https://example.com", "secret": ""}, "secret"),
+        ({"url": "https://example.com", "secret": "   "}, "secret"),
         ({"url": "https://example.com", "secret": 12345678901234567}, "secret"),
         ({"url": "https://example.com", "format": "xml"}, "format"),
     ],

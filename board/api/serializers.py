@@ -614,6 +614,7 @@ class WebhookCreateSerializer(serializers.Serializer[Any]):
         required=False,
         min_length=1,
         max_length=200,
+        visible=True,
         help_text="The key of the HMAC-SHA256 signature; omitted: a random one is made.",
     )
     format = serializers.ChoiceField(
@@ -628,6 +629,9 @@ class WebhookCreateSerializer(serializers.Serializer[Any]):
 
     def validate_events(self, value: list[str]) -> list[str]:
         return sorted(set(value), key=value.index)
+
+    def validate_queues(self, value: list[str] | None) -> list[str] | None:
+        return None if value is None else sorted(set(value), key=value.index)
 
 
 class WebhookSerializer(serializers.ModelSerializer[Webhook]):
