@@ -468,6 +468,30 @@ def test_an_agents_last_sighting_survives_its_expired_lease_going_to_another(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_agents_last_sighting_does_not_move_for_what_others_do_to_its_dependencies(
+    agent_api: APIClient, api: Callable[[Any], APIClient], other_agent: Any, staff: Any
+) -> None:
+    """The holder of a task whose dependency is requeued and completed again by others did
+    nothing meanwhile: a stalled agent must not look alive."""
+    other = api(other_agent)
+    dependency = create(other)
+    create(other, depends_on=[dependency["id"]])
+    [held] = claim(other)
+    post(other, f"tasks/{held['id']}/complete/", {"lease_token": held["lease_token"]})
+    claim(agent_api, lease_seconds=120)
+    seen = last_seen_of(agent_api)
+
+    time.sleep(0.05)
+    transitions.requeue(task_id=dependency["id"], actor=staff)
+    after_requeue = last_seen_of(agent_api)
+    time.sleep(0.05)
+    [again] = claim(other)
+    post(other, f"tasks/{again['id']}/complete/", {"lease_token": again["lease_token"]})
+
+    assert (after_requeue, last_seen_of(agent_api)) == (seen, seen)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_an_expiry_never_takes_an_agents_last_sighting_back_across_hours(
     agent_api: APIClient, api: Callable[[Any], APIClient], other_agent: Any
 ) -> None:

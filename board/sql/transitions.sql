@@ -439,7 +439,12 @@ WITH locked AS (
     ORDER BY t.id
     FOR NO KEY UPDATE OF t
 ), dependents AS (
-    UPDATE tasks t SET open_dependencies = t.open_dependencies - 1, updated_at = now()
+    -- Only a pending dependent changes as its API shows it (blocked): a held one's
+    -- updated_at is its holder's last claim or heartbeat, which GET agents/ shows as the
+    -- holder's last sighting, and must not move for what another user did.
+    UPDATE tasks t SET open_dependencies = t.open_dependencies - 1,
+                       updated_at = CASE WHEN t.status = 'pending' THEN now()
+                                         ELSE t.updated_at END
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.status, t.open_dependencies
@@ -462,7 +467,9 @@ WITH locked AS (
     ORDER BY t.id
     FOR NO KEY UPDATE OF t
 )
-UPDATE tasks t SET open_dependencies = t.open_dependencies + 1, updated_at = now()
+-- updated_at as in unblock_dependents: only a pending dependent's.
+UPDATE tasks t SET open_dependencies = t.open_dependencies + 1,
+                   updated_at = CASE WHEN t.status = 'pending' THEN now() ELSE t.updated_at END
 FROM locked l
 WHERE t.id = l.id
 RETURNING t.id;
