@@ -128,7 +128,9 @@ def retry_after(address: str) -> int | None:
     The failures of the last ``window()`` seconds are estimated as the current window's
     count plus the previous window's, weighted by the share of it that still lies within
     the last ``window()`` seconds (the sliding-window estimate). A fixed window alone would
-    let up to twice the limit through across its boundary.
+    let up to twice the limit through across its boundary. The estimate takes the previous
+    window's failures as spread evenly over it; bunched at its end, they weigh less than
+    they should, and up to about twice the limit can still get through (README).
     """
     allowed = limit()
     if allowed <= 0:
