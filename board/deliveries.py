@@ -275,12 +275,12 @@ class _BoundedSMTPSSL(_Bounded, smtplib.SMTP_SSL):
 
 
 class BoundedEmailBackend(smtp.EmailBackend):
-    """Django's SMTP backend, with the whole session (connect to QUIT) within ``budget``
-    seconds of its making (:class:`_Bounded`)."""
+    """Django's SMTP backend, with the whole session (connect to QUIT) done by ``deadline``
+    (``time.monotonic()``; :class:`_Bounded`)."""
 
-    def __init__(self, *, budget: float, **kwargs: Any) -> None:
-        super().__init__(timeout=budget, **kwargs)
-        self.deadline = time.monotonic() + budget
+    def __init__(self, *, deadline: float, **kwargs: Any) -> None:
+        super().__init__(timeout=max(deadline - time.monotonic(), 0.001), **kwargs)
+        self.deadline = deadline
 
     @property
     def connection_class(self) -> Any:
@@ -288,10 +288,12 @@ class BoundedEmailBackend(smtp.EmailBackend):
         return functools.partial(bounded, deadline=self.deadline)
 
 
-def send_email(out: Outgoing) -> None:
-    """Send the escalation email through Django's email framework (EMAIL_URL)."""
+def send_email(out: Outgoing, deadline: float) -> None:
+    """Send the escalation email through Django's email framework (EMAIL_URL), done by
+    ``deadline`` (``time.monotonic()``), which the attempt set before this thread started:
+    a thread that started late has less time, not more."""
     if settings.EMAIL_BACKEND == "django.core.mail.backends.smtp.EmailBackend":
-        backend: Any = BoundedEmailBackend(budget=timeout_seconds())
+        backend: Any = BoundedEmailBackend(deadline=deadline)
     else:  # another backend that settings name (tests: Django's in-memory one)
         backend = get_connection(timeout=timeout_seconds())
     mail = EmailMessage(
@@ -308,7 +310,10 @@ async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int |
         try:
             # The session ends by its own deadline (BoundedEmailBackend): this only bounds
             # another backend, or a thread that could not start in time.
-            await asyncio.wait_for(asyncio.to_thread(send_email, out), timeout_seconds() + 1)
+            deadline = time.monotonic() + timeout_seconds()
+            await asyncio.wait_for(
+                asyncio.to_thread(send_email, out, deadline), timeout_seconds() + 1
+            )
         except Exception as exc:  # any refusal by the SMTP server, or none at all
             return False, None, f"email not sent: {exc!r}"[:2000]
         return True, None, None
