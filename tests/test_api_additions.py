@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 from board import transitions
 from board.access import limit_queues
 from board.models import QueuePause, Task, TaskEvent
+from board.sql import QUERIES
 from tests.factories import StaffFactory, TokenFactory, UserFactory
 from tests.live import LiveServer
 from tests.test_api import TASK_FIELDS, assert_error, get, post
@@ -345,7 +346,7 @@ def test_queues_lists_each_queue_with_its_counts(agent_api: APIClient, staff: An
     assert set(queues["docs"]) == {"name", "paused", "counts", "oldest_pending_at"}
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # now(): each request's own
 def test_oldest_pending_at_is_that_of_the_oldest_task_that_can_be_claimed(
     agent_api: APIClient,
 ) -> None:
@@ -364,6 +365,9 @@ def test_oldest_pending_at_is_that_of_the_oldest_task_that_can_be_claimed(
     assert failed.status_code == 200, failed.content
     create(agent_api, queue="mixed", run_after=later)
     due = create(agent_api, queue="mixed")
+    soon = (timezone.now() + timedelta(seconds=1)).isoformat().replace("+00:00", "Z")
+    came_due = create(agent_api, queue="came_due", run_after=soon)
+    time.sleep(1.1)
 
     queues = {q["name"]: q for q in get(agent_api, "queues/").json()}
 
@@ -372,6 +376,38 @@ def test_oldest_pending_at_is_that_of_the_oldest_task_that_can_be_claimed(
     assert queues["retried"]["counts"]["pending"] == 1
     assert queues["retried"]["oldest_pending_at"] is None
     assert queues["mixed"]["oldest_pending_at"] == due["created_at"]
+    # Claimable since it came due, not since it was made.
+    assert queues["came_due"]["oldest_pending_at"] == came_due["run_after"]
+
+
+@pytest.mark.django_db
+def test_oldest_pending_at_is_one_index_step_past_any_number_of_scheduled_tasks(
+    agent_api: APIClient,
+) -> None:
+    """A queue with 20,000 tasks scheduled for tomorrow ahead of its one due task: the
+    answer reads one entry of an index, not the scheduled tasks (it read all of them)."""
+    create(agent_api, queue="busy")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO tasks (title, description, payload, queue, priority, max_failures,"
+            " run_after, status, failure_count, created_by, created_at, updated_at)"
+            " SELECT 'later', '', '{}', 'busy', 0, 3, now() + interval '1 day', 'pending', 0,"
+            " 'agent-smith', now() - interval '1 hour', now() FROM generate_series(1, 20000)"
+        )
+        cursor.execute("ANALYZE tasks")
+        cursor.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES["queue_list"],
+            {"all_queues": True, "queues": []},
+        )
+        plan = cursor.fetchone()[0][0]["Plan"]
+
+    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node, *(n for child in node.get("Plans", []) for n in nodes(child))]
+
+    read = [n for n in nodes(plan) if n.get("Relation Name") == "tasks"]
+    assert read and all(n["Node Type"] == "Index Scan" for n in read), read
+    assert all(n["Actual Rows"] <= 1 for n in read), read
+    assert all(n.get("Rows Removed by Filter", 0) == 0 for n in read), read
 
 
 def test_a_limited_agent_sees_only_its_queues(

@@ -434,8 +434,9 @@ class QueueSerializer(serializers.Serializer[Any]):
     oldest_pending_at = serializers.DateTimeField(
         allow_null=True,
         help_text=(
-            "When its oldest claimable task (pending, unblocked and due: not run_after a "
-            "time still to come) was created; null when it has none."
+            "Since when its longest-waiting claimable task (pending, unblocked, due) has "
+            "been claimable: its creation, or its run_after when later; null when it has "
+            "none."
         ),
     )
 

@@ -23,14 +23,18 @@ SELECT n.name,
        COALESCE(c.pending, 0) AS pending, COALESCE(c.blocked, 0) AS blocked,
        COALESCE(c.in_progress, 0) AS in_progress, COALESCE(c.escalated, 0) AS escalated,
        COALESCE(c.done, 0) AS done, COALESCE(c.cancelled, 0) AS cancelled,
-       -- The oldest claimable one: down tasks_pending_queue_created_idx (its predicate,
-       -- word for word), past the tasks not due yet (scheduled, or failed with a
-       -- retry_after): those wait by design, and an alert on this age must not fire for
-       -- them.
-       (SELECT t.created_at FROM tasks t
-        WHERE t.queue = n.name AND (t.status = 'pending' AND t.open_dependencies = 0) IS TRUE
-          AND (t.run_after IS NULL OR t.run_after <= now())
-        ORDER BY t.created_at LIMIT 1) AS oldest_pending_at,
+       -- Since when its longest-waiting claimable task has been claimable (created, or
+       -- due when later): one step down tasks_pending_queue_due_idx (its predicate and
+       -- expression, word for word), whose first entry is claimable if its time has come.
+       -- Tasks not due yet (scheduled, or failed with a retry_after) wait by design: an
+       -- alert on this age must not fire for them.
+       (SELECT first.since FROM (
+            SELECT GREATEST(t.created_at, t.run_after) AS since FROM tasks t
+            WHERE t.queue = n.name
+              AND (t.status = 'pending' AND t.open_dependencies = 0) IS TRUE
+            ORDER BY GREATEST(t.created_at, t.run_after) LIMIT 1
+        ) first
+        WHERE first.since <= now()) AS oldest_pending_at,
        s.changed_at, s.changed_by, s.note
 FROM names n
 LEFT JOIN counts c ON c.queue = n.name
