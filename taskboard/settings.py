@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
+from email.utils import parseaddr
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
 import dj_email_url
 import psycopg
-from django.core.exceptions import ImproperlyConfigured, ValidationError
-from django.core.validators import validate_email
+from django.core.exceptions import ImproperlyConfigured
 from psycopg.conninfo import conninfo_to_dict
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -404,13 +405,14 @@ if EMAIL_URL:
     vars().update(_email)
 TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
 for _address in TASKBOARD_ESCALATION_EMAILS:
-    try:
-        validate_email(_address)
-    except ValidationError:
+    # As an email's To: takes them: "Ops <ops@example.com>", or a host without a dot
+    # (ops@intranet); only text that names no mailbox at all is refused.
+    _mailbox = parseaddr(_address)[1]
+    if not re.fullmatch(r"[^@\s]+@[^@\s]+", _mailbox):
         raise ImproperlyConfigured(
             f"TASKBOARD_ESCALATION_EMAILS must be email addresses, comma-separated: not "
             f"{_address!r}"
-        ) from None
+        )
 
 # Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
 LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "INFO").upper()

@@ -273,6 +273,11 @@ def test_a_bad_setting_is_refused_in_one_line_naming_it(name: str, value: str, s
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_escalation_addresses_may_carry_names_and_hosts_without_a_dot() -> None:
+    done = taskboard("check", TASKBOARD_ESCALATION_EMAILS="Ops <ops@example.com>, oncall@intranet")
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize(
     ("name", "value"), [("PORT", "abc"), ("PORT", "70000"), ("WEB_CONCURRENCY", "0")]
 )
