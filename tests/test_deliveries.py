@@ -289,16 +289,20 @@ def test_an_smtp_server_too_slow_for_the_timeout_gets_no_email_it_would_get_agai
         assert len(inbox) == 1
 
 
-def test_emails_queued_while_email_was_on_wait_while_it_is_off(
-    make_task: Callable[..., Any], agent: Any
+def test_emails_queued_while_email_was_on_fail_when_it_is_turned_off(
+    make_task: Callable[..., Any], agent: Any, staff: Any
 ) -> None:
-    """With EMAIL_URL unset ("no email"), an email queued before is not sent (through
-    Django's default, localhost:25) nor retried: it waits, and goes once email is on."""
+    """With EMAIL_URL unset ("no email"), an email queued before is not sent (it was,
+    through Django's default, localhost:25) nor kept for weeks: it fails, and staff may
+    retry it; retried while email is off, it waits for email to be on."""
     email = transitions.set_email_channel(active=True)
     escalate(make_task, agent)
     [queued] = Delivery.objects.filter(webhook=email)
     transitions.set_email_channel(active=False)
 
+    queued.refresh_from_db()
+    assert (queued.status, queued.last_error) == ("failed", "not sent: EMAIL_URL was unset")
+    assert transitions.retry_deliveries(delivery_ids=[queued.pk], actor=staff) == 1
     assert transitions.claim_deliveries(limit=10, lease_seconds=30) == []
     assert deliveries.next_due() is None
 

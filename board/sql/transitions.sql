@@ -593,11 +593,28 @@ SELECT id FROM gone;
 
 -- name: set_email_channel
 -- Turn the escalation emails on or off (each server says at start-up whether EMAIL_URL is
--- set): one row of kind email, matching every escalation.
-INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by, created_at)
-VALUES ('email', '', ARRAY['escalated'], NULL, '', 'json', %(active)s, 'system', now())
-ON CONFLICT (kind) WHERE kind = 'email' DO UPDATE SET active = EXCLUDED.active
-RETURNING *;
+-- set): one row of kind email, matching every escalation. Turned off, the emails still
+-- waiting fail (staff may retry them once it is on again): none goes out weeks later,
+-- and nothing is left for the dispatchers to pass over.
+WITH channel AS (
+    INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by,
+                          created_at)
+    VALUES ('email', '', ARRAY['escalated'], NULL, '', 'json', %(active)s, 'system', now())
+    ON CONFLICT (kind) WHERE kind = 'email' DO UPDATE SET active = EXCLUDED.active
+    RETURNING *
+), dropped AS (
+    UPDATE webhook_deliveries d SET
+        status = 'failed', next_attempt_at = NULL, leased_until = NULL, lease_token = NULL,
+        last_error = 'not sent: EMAIL_URL was unset'
+    FROM channel c
+    WHERE NOT c.active AND d.webhook_id = c.id AND d.status = 'pending'
+    RETURNING d.id
+), counted AS (
+    INSERT INTO delivery_results AS r (result, count)
+    SELECT 'failed', count(*) FROM dropped HAVING count(*) > 0
+    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
+)
+SELECT * FROM channel;
 
 -- name: claim_deliveries
 -- Lease up to %(limit)s due deliveries to this process, oldest due first.
@@ -608,7 +625,7 @@ RETURNING *;
 -- falls due again when the lease runs out, and another process (or the restarted one)
 -- tries again. Each claim counts an attempt and draws a fresh token; only the holder of
 -- the token records the outcome. The deliveries of an inactive channel (the emails, with
--- EMAIL_URL unset) wait, pending, until it is active again.
+-- EMAIL_URL unset: a staff retry meanwhile) wait, pending, until it is active again.
 WITH due AS (
     SELECT id FROM webhook_deliveries d
     WHERE status = 'pending' AND next_attempt_at <= now()
