@@ -74,10 +74,9 @@ def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAcc
     """Return the active user named by a Bearer/Token header or the session cookie, and
     the queues it may see; or None.
 
-    A failure (of credentials presented) is counted against the client ``address``; an
-    address over the limit is
-    refused before any lookup (``access.throttle.Throttled``). Runs on the stream's
-    database thread (:func:`on_database_thread`).
+    A failure of credentials presented is counted against the client ``address``; an
+    address over the limit is refused before any lookup (``access.throttle.Throttled``).
+    Runs on the stream's database thread (:func:`on_database_thread`).
     """
     throttle.check(address)
     user = _user(headers)

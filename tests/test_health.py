@@ -189,12 +189,13 @@ def test_a_logged_in_session_gets_503_json_while_the_database_is_unreachable(
 
 
 def test_every_503_for_the_database_is_the_same_json(agent_api: APIClient, staff: Any) -> None:
-    """The API's views (DRF's renderer) and the paths in front of them (the middleware's
-    answer) spell the same object the same way, so that no client sees two bodies."""
+    """Every path a client takes during an outage answers the same bytes, so that no client
+    sees two bodies. Through Django's test client each of these is answered in front of
+    the views (the throttle's read meets the outage first); the API's own handler
+    (board.api.errors) renders the same object through DRF, and is not reached here."""
     session = APIClient()
     session.force_login(staff)
-    # Known before the outage, the agent's token is taken from the cache: its requests reach
-    # the views, which fail on their own queries.
+    # Known before the outage: the agent's token is in the cache.
     assert agent_api.get("/api/v1/tasks/").status_code == 200
 
     with database_unreachable():

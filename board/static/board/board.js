@@ -221,7 +221,7 @@
   // first 401 stops both and says so.
 
   let signedOut = false;
-  const onSessionEnd = []; // what stops then: the stream
+  const onSessionEnd = []; // what stops then: the stream, the leases' heartbeats
 
   function sessionEnded() {
     if (signedOut) return;
