@@ -78,6 +78,22 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # The port first: a busy one is said in one line before anything is migrated,
+        # started or announced.
+        listener = self.bind(options["host"], options["port"])
+        try:
+            self.serve(listener, options)
+        finally:
+            listener.close()
+
+    @staticmethod
+    def bind(host: str, port: int) -> socket.socket:
+        try:
+            return server.bind(host, port)
+        except server.PortTaken as exc:
+            raise CommandError(str(exc)) from None
+
+    def serve(self, listener: socket.socket, options: dict[str, Any]) -> None:
         if not options["no_migrate"]:
             call_command("migrate", interactive=False, verbosity=0)
         call_command("collectstatic", interactive=False, verbosity=0)
@@ -87,7 +103,11 @@ class Command(BaseCommand):
         host, port = options["host"], options["port"]
         edge: pushpin.Pushpin | None = None
         if options["pushpin"]:
+            # Pushpin listens on the port itself: this process lets go of it just before,
+            # and serves on the origin port instead.
+            listener.close()
             host, port = "127.0.0.1", options["origin_port"] or free_port()
+            listener = self.bind(host, port)
             try:
                 origin = f"{host}:{port}"
                 directory = settings.DATA_DIR / "pushpin"
@@ -131,7 +151,7 @@ class Command(BaseCommand):
             http=server.HttpToolsProtocol,
         )
         try:
-            server.run(config)
+            server.run(config, listener)
         finally:
             if edge is not None:
                 edge.stop()
