@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import socket
@@ -18,6 +19,7 @@ from django.db import transaction
 
 from access import tokens
 from taskboard import pushpin, server
+from taskboard.embedded import serving
 
 
 def _port(text: str) -> int:
@@ -81,8 +83,15 @@ class Command(BaseCommand):
         # The port first: a busy one is said in one line before anything is migrated,
         # started or announced.
         listener = self.bind(options["host"], options["port"])
+        # Server commands run from another directory find this database while it serves.
+        served = (
+            serving.registered(settings.DATA_DIR)
+            if uses_embedded_database()
+            else contextlib.nullcontext()
+        )
         try:
-            self.serve(listener, options)
+            with served:
+                self.serve(listener, options)
         finally:
             listener.close()
 
@@ -126,7 +135,7 @@ class Command(BaseCommand):
                     f"  Admin       {base}/admin/",
                     f"  API docs    {base}/api/v1/docs/",
                     f"  Health      {base}/healthz",
-                    f"  Database    {_database_description()}",
+                    f"  Database    {database_description()}",
                     *(
                         [f"  Pushpin     port {options['port']}, to the server on {host}:{port}"]
                         if edge
@@ -196,7 +205,7 @@ def _display_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _database_description() -> str:
+def database_description() -> str:
     db = settings.DATABASES["default"]
     if uses_embedded_database():
         return f"embedded PostgreSQL in {settings.DATA_DIR / 'pgdata'}"
