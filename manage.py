@@ -7,9 +7,9 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
-    from django.core.management import execute_from_command_line
+    from taskboard.cli import server_command
 
-    execute_from_command_line(sys.argv)
+    server_command(sys.argv, prog="python manage.py")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import NoReturn
 
 CLIENT_COMMANDS = ("work", "submit", "tasks")
 HELP = ("-h", "--help", "help")
+VERSION = ("--version", "version")
 AGENT_INSTALL = (
     "this install has only the agent's side (taskboard-agent: work, submit, tasks, mcp); "
     "server commands need the server's install: pip install -e . in a checkout (see the "
@@ -57,15 +59,101 @@ def main(argv: list[str] | None = None) -> None:
         print(f"taskboard {args[0]}: not an agent command, and {AGENT_INSTALL}.", file=sys.stderr)
         sys.exit(2)
 
+    server_command(["taskboard", *args])
+
+
+def server_command(argv: list[str], prog: str = "taskboard") -> None:
+    """Run Django's management command ``argv[1:]`` (``argv[0]`` is the program), saying in
+    one line, not a traceback, what keeps it from running: a setting, a database that is
+    not there or not migrated."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
+    from django.db import DatabaseError
 
+    from taskboard.embedded import serving
+
+    command = argv[1] if len(argv) > 1 else "help"
+    asks_help = any(arg in HELP[:2] for arg in argv[2:])
+    serving.only_existing = not asks_help and command not in (*MAKE_A_DATABASE, *HELP, *VERSION)
     try:
-        execute_from_command_line(["taskboard", *args])
+        from django.conf import settings
+
+        settings.DATA_DIR  # noqa: B018 (read the settings now: their errors are said below)
+        if serving.found is not None:
+            print(
+                f"{prog} {command}: no database here; using the one `taskboard serve` runs "
+                f"on, in {serving.found}",
+                file=sys.stderr,
+            )
+        if (
+            not asks_help
+            and checks_migrations(command)
+            and (unapplied := unapplied_migrations(fresh=True))
+        ):
+            not_migrated(prog, command, unapplied)
+        execute_from_command_line(argv)
     except ImproperlyConfigured as exc:  # a setting from the environment: one line, not a trace
-        print(f"taskboard: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except serving.NoDatabase as exc:
+        print(f"{prog} {command}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except DatabaseError as exc:
+        if not missing_schema(exc) or not (unapplied := unapplied_migrations()):
+            raise
+        not_migrated(prog, command, unapplied)
+
+
+# The server commands that may make the embedded database where there is none; any other
+# refuses, rather than fail on the empty database it made (taskboard.embedded.serving).
+MAKE_A_DATABASE = ("serve", "migrate", "benchmark", "soak", "test")
+
+
+def checks_migrations(command: str) -> bool:
+    """Return whether Django checks the migrations before ``command`` (createsuperuser,
+    changepassword): it prints a notice of several lines and runs on."""
+    import django
+    from django.core.management import get_commands, load_command_class
+
+    django.setup()
+    app = get_commands().get(command)
+    if app is None:
+        return False
+    return bool(load_command_class(app, command).requires_migrations_checks)
+
+
+def missing_schema(error: Exception) -> bool:
+    """Return whether ``error`` is about a table or column that the migrations make."""
+    import psycopg
+
+    missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn
+    return isinstance(error.__cause__, missing)
+
+
+def unapplied_migrations(*, fresh: bool = False) -> int:
+    """Return how many migrations the database lacks; with ``fresh``, only when it has
+    none applied (a database never migrated: 0 otherwise)."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    connection.close()  # a failed statement may have left its transaction aborted
+    executor = MigrationExecutor(connection)
+    if fresh and executor.recorder.has_table():
+        return 0
+    return len(executor.migration_plan(executor.loader.graph.leaf_nodes()))
+
+
+def not_migrated(prog: str, command: str, unapplied: int) -> NoReturn:
+    from taskboard.management.commands.serve import database_description
+
+    print(
+        f"{prog} {command}: the database ({database_description()}) is not migrated "
+        f"({unapplied} migrations not applied): run `{prog} migrate` first (`{prog} serve` "
+        "migrates too)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 
 if __name__ == "__main__":

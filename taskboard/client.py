@@ -1117,12 +1117,13 @@ class Lease:
     (one a second by default) of the previous one. Only the latest value is sent.
 
     Finish with :meth:`complete`, :meth:`fail`, :meth:`release` or :meth:`escalate`, which
-    stop the heartbeats first (the last three send a progress not sent yet, so that the
-    next attempt resumes from it); one that is refused other than with ``lease_lost``, or
-    not answered, starts them again, so that the task stays held while the caller
-    retries. Used as a context manager, a block that raises fails
-    the task with the exception (a ``KeyboardInterrupt`` releases it), and a block that
-    ends without finishing the task releases it.
+    stop the heartbeats first and send a progress not sent yet with a heartbeat of its own
+    (the task keeps it: the next attempt resumes from it, and a done task shows how far it
+    got); one that is refused other than with ``lease_lost``, or not answered, starts them
+    again, so that the task stays held while the caller retries. Used as a context
+    manager, a block that raises fails the task with the exception (a
+    ``KeyboardInterrupt`` releases it), and a block that ends without finishing the task
+    releases it.
     """
 
     def __init__(
@@ -1239,7 +1240,9 @@ class Lease:
 
     def complete(self, result: Any = None) -> Task:
         """Stop heartbeating and complete the task with ``result``."""
-        return self._finish(lambda: self.client.complete(self.task, result=result, retries=0))
+        return self._finish(
+            lambda: self.client.complete(self.task, result=result, retries=0), progress=True
+        )
 
     def fail(self, error: str, *, retry_after: int | None = None) -> Task:
         """Stop heartbeating and fail the task (a strike) with ``error``."""

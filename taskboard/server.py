@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import gc
 import json
 import multiprocessing
@@ -171,8 +172,42 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(20_000, 20, 10)
 
 
-def run(config: Config) -> None:
-    """Serve ``config`` as ``uvicorn.run`` does, in one process or with workers.
+class PortTaken(Exception):
+    """The address to serve on cannot be bound; the message names it and says why."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Return a socket bound to ``host``:``port`` (not listening yet), for :func:`run`;
+    raise PortTaken, naming the port, when it cannot be bound.
+
+    ``serve`` binds before it says where it serves: bound by uvicorn later, a busy port
+    failed after the banner had announced the board there. Until the server listens on
+    it, connections are refused, as they were before it was bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    # As uvicorn's own bind: a port left in TIME_WAIT by a previous run is usable at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = (
+                f"port {port} is taken (something listens on {where}): stop it, or serve "
+                "on another port (--port)"
+            )
+        else:
+            why = f"cannot listen on {where}: {exc.strerror or exc}"
+        raise PortTaken(why) from None
+    sock.set_inheritable(True)  # the worker processes of --workers serve on it
+    return sock
+
+
+def run(config: Config, sock: socket.socket | None = None) -> None:
+    """Serve ``config`` as ``uvicorn.run`` does, in one process or with workers, on
+    ``sock`` (from :func:`bind`) when given.
 
     (``uvicorn.run`` takes keyword arguments and makes its own Config; this takes ours.)
     """
@@ -189,9 +224,9 @@ def run(config: Config) -> None:
             sockets_dir = tempfile.mkdtemp(prefix="taskboard-serve-", dir=None if short else "/tmp")
             os.environ["TASKBOARD_SERVE_SOCKETS"] = sockets_dir
             metrics_dir = _share_metrics()
-            Supervisor(config, sockets=[config.bind_socket()]).run()
+            Supervisor(config, sockets=[sock or config.bind_socket()]).run()
         else:
-            server.run()
+            server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:
         pass
     finally:

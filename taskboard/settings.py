@@ -15,6 +15,8 @@ import psycopg
 from django.core.exceptions import ImproperlyConfigured
 from psycopg.conninfo import conninfo_to_dict
 
+from taskboard.embedded import serving
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -58,8 +60,37 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def _data_dir() -> Path:
+    """Return TASKBOARD_DATA_DIR, by default ``.taskboard`` in the current directory.
+
+    For a command that uses a database but never makes one (taskboard.embedded.serving),
+    run with neither variable set where there is no database: the data directory of the
+    one ``taskboard serve`` running on an embedded database, when there is exactly one.
+    """
+    if chosen := os.environ.get("TASKBOARD_DATA_DIR"):
+        return Path(chosen).resolve()
+    here = (Path.cwd() / ".taskboard").resolve()
+    if not _refused_here(here):
+        return here
+    served = serving.served()
+    if len(served) == 1:
+        serving.found = served[0]
+        return served[0]
+    return here
+
+
+def _refused_here(data_dir: Path) -> bool:
+    """Return whether this command will refuse to use the embedded database of
+    ``data_dir``: it may not make one, and there is none there."""
+    return (
+        serving.only_existing
+        and not os.environ.get("DATABASE_URL")
+        and not (data_dir / "pgdata" / "PG_VERSION").exists()
+    )
+
+
 # Where the embedded database, the generated secret key and collected static files live.
-DATA_DIR = Path(os.environ.get("TASKBOARD_DATA_DIR") or Path.cwd() / ".taskboard").resolve()
+DATA_DIR = _data_dir()
 
 DEBUG = env_bool("DEBUG", False)
 
@@ -73,6 +104,9 @@ def _secret_key() -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
+    if _refused_here(DATA_DIR):
+        # Kept nowhere: a command that cannot reach a database leaves no data directory.
+        return secrets.token_urlsafe(50)
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(50)
     # O_EXCL: when two processes start at once, one writes and both read the winner's key.
@@ -263,8 +297,10 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = DATA_DIR / "static"
 # serve runs collectstatic into it; until then WhiteNoise serves from the apps (below), and
-# would warn on every start about the missing directory.
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+# would warn on every start about the missing directory. (A command that cannot reach a
+# database leaves no data directory behind.)
+if not _refused_here(DATA_DIR):
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 STATICFILES_DIRS = [BASE_DIR / "taskboard" / "static"]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},

@@ -10,8 +10,8 @@ environment. While it runs, a thread heartbeats the lease.
   reported (``null`` when none), so that the command resumes instead of starting over.
   Each line of JSON the command writes to file descriptor ``TASKBOARD_PROGRESS_FD`` (a
   pipe) is the progress so far: the latest is sent with a heartbeat within a second or
-  so. Lines that are not JSON (or null, or over ``MAX_PROGRESS_BYTES``) are logged and
-  ignored.
+  so, and before the task is completed, failed or released. Lines that are not JSON (or
+  null, or over ``MAX_PROGRESS_BYTES``) are logged and ignored.
 - Exit status 0: the task is completed with the command's stdout as its result (the JSON
   value when stdout parses as JSON, else the text; null when it is empty).
 - Any other exit: the task fails (a strike) with the exit status and the tail of stderr,
@@ -642,7 +642,7 @@ class Worker:
         output = Output(proc, json.dumps(raw).encode())
         returncode = proc.wait()
         output.wait()
-        # Its last progress goes out with the fail or release (a done task needs none).
+        # Its last progress goes out before the complete, fail or release.
         progress.wait(timeout=1.0)
         elapsed = time.monotonic() - run.started
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -307,3 +310,140 @@ def test_help_names_every_command_it_lists_mcp_included() -> None:
         done = taskboard("help", command)
         assert done.returncode == 0, (command, done.stderr)
         assert "usage:" in done.stdout.lower(), (command, done.stdout)
+
+
+# -- A server command where there is no database, or none migrated -----------------------
+
+
+def taskboard_in(
+    directory: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``taskboard ARGS`` in ``directory`` as a user would there: no DATABASE_URL or
+    TASKBOARD_DATA_DIR unless ``env`` sets them, and a runtime directory of its own (where
+    running ``serve`` processes register: none here)."""
+    runtime = directory.parent / "runtime"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "TASKBOARD_DATA_DIR"}
+    }
+    environment.update({"XDG_RUNTIME_DIR": str(runtime), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "taskboard.cli", *args],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+AGENT_COMMANDS = [
+    ["create_agent", "my-agent"],
+    ["createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com"],
+    ["drf_create_token", "root"],
+]
+
+
+@pytest.mark.parametrize("args", AGENT_COMMANDS, ids=lambda args: args[0])
+def test_a_server_command_where_there_is_no_database_says_so_and_makes_none(
+    tmp_path: Path, args: list[str]
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    done = taskboard_in(elsewhere, *args)
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"taskboard {args[0]}: no database in {elsewhere / '.taskboard'}, and no `taskboard "
+        "serve` runs on an embedded database: run this where `taskboard serve` ran, or set "
+        "TASKBOARD_DATA_DIR to the directory its banner names (`taskboard migrate` makes a "
+        "new database here)"
+    ]
+    assert list(elsewhere.iterdir()) == [], "nothing made, an empty database least of all"
+
+
+@pytest.fixture
+def unmigrated_database() -> Iterator[str]:
+    """Return the DATABASE_URL of a new, empty database on the tests' server."""
+    import psycopg
+    from django.db import connection
+
+    from taskboard.benchmark.harness import ServerParams
+
+    name = f"{connection.settings_dict['NAME']}_unmigrated"
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    for key in ("context", "prepare_threshold"):
+        params.pop(key, None)
+    with psycopg.connect(**{**params, "dbname": "postgres"}, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield ServerParams.from_django().url(name)
+        finally:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.parametrize("args", AGENT_COMMANDS, ids=lambda args: args[0])
+def test_a_server_command_on_a_database_not_migrated_says_what_to_run_in_one_line(
+    tmp_path: Path, unmigrated_database: str, args: list[str]
+) -> None:
+    # It was a traceback of 67 lines ending in: relation "auth_user" does not exist.
+    done = taskboard_in(tmp_path, *args, env={"DATABASE_URL": unmigrated_database})
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"taskboard {args[0]}: the database (")
+    assert "is not migrated" in line and "run `taskboard migrate` first" in line
+    assert "unapplied migration" not in done.stdout, "Django's notice is not said as well"
+
+
+def test_a_serve_that_is_gone_is_not_taken_for_a_running_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from taskboard.embedded import serving
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    killed = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                            capture_output=True, check=True)  # fmt: skip
+    with serving.registered(tmp_path / "running"):
+        # A serve killed with SIGKILL leaves its entry; a pid may be taken by a later process.
+        (serving.registry() / killed.stdout.strip()).write_text(
+            json.dumps({"data_dir": str(tmp_path / "killed"), "started": 1.0})
+        )
+        (serving.registry() / str(os.getppid())).write_text(
+            json.dumps({"data_dir": str(tmp_path / "reused"), "started": 1.0})
+        )
+
+        assert serving.served() == [tmp_path / "running"]
+        assert [entry.name for entry in serving.registry().iterdir()] == [str(os.getpid())]
+    assert serving.served() == []
+
+
+def test_with_two_serves_running_a_command_elsewhere_asks_which_database(tmp_path: Path) -> None:
+    import psutil
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    registry = tmp_path / "runtime" / "taskboard" / "serving"
+    registry.mkdir(parents=True)
+    (tmp_path / "runtime").chmod(0o700)
+    boards = [tmp_path / "a" / ".taskboard", tmp_path / "b" / ".taskboard"]
+    for pid, board in zip([os.getpid(), os.getppid()], boards, strict=True):
+        started = psutil.Process(pid).create_time()
+        (registry / str(pid)).write_text(json.dumps({"data_dir": str(board), "started": started}))
+
+    done = taskboard_in(elsewhere, "create_agent", "my-agent")
+
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"taskboard create_agent: no database in {elsewhere / '.taskboard'}; `taskboard serve` "
+        f"runs on {boards[0]}, {boards[1]}: set TASKBOARD_DATA_DIR to the one to use"
+    ]
+    assert list(elsewhere.iterdir()) == []

@@ -3,13 +3,17 @@ every process that uses it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
+
+from tests.processes import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.once]
 
@@ -56,3 +60,56 @@ def test_concurrent_processes_share_one_server_which_stops_after_the_last(tmp_pa
             proc.communicate("\n", timeout=60)
 
     assert postmasters_for(data_dir) == [], "the last process to leave stops the server"
+
+
+def test_a_server_command_run_elsewhere_uses_the_database_serve_runs_on(tmp_path: Path) -> None:
+    # `cd elsewhere && taskboard create_agent my-agent` made an empty database there and
+    # died on it with a traceback.
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    (tmp_path / "checkout").mkdir()
+    data_dir = (tmp_path / "checkout" / ".taskboard").resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "TASKBOARD_DATA_DIR"}
+    }
+    environment["XDG_RUNTIME_DIR"] = str(runtime)
+
+    def create_agent() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "taskboard.cli", "create_agent", "my-agent"],
+            cwd=elsewhere,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    server = ServeProcess.on_data_dir(
+        data_dir, "--workers", "1", env={"XDG_RUNTIME_DIR": str(runtime)}
+    )
+    try:
+        done = create_agent()
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            "taskboard create_agent: no database here; using the one `taskboard serve` runs "
+            f"on, in {data_dir}"
+        ]
+        token = done.stdout.strip().splitlines()[-1]
+        answer = httpx.get(
+            f"{server.url}/api/v1/tasks/", headers={"Authorization": f"Bearer {token}"}
+        )
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+    assert f"Database    embedded PostgreSQL in {data_dir / 'pgdata'}" in server.output
+    assert list(elsewhere.iterdir()) == []
+
+    # Once serve has stopped, there is no database to find: refused in one line.
+    done = create_agent()
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"no database in {elsewhere / '.taskboard'}" in done.stderr
+    assert list(elsewhere.iterdir()) == []

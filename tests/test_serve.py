@@ -121,3 +121,32 @@ def test_an_operators_metrics_directory_must_exist_and_is_emptied_of_an_earlier_
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert server._share_metrics() is None  # the operator's: not removed at the end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_busy_port_is_named_in_one_line_before_any_banner(tmp_path: Path, workers: str) -> None:
+    import socket
+
+    from tests.processes import tests_database_url
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = ServeProcess(
+            tmp_path / "serve.out",
+            "--workers",
+            workers,
+            env={"DATABASE_URL": tests_database_url()},
+            data_dir=tmp_path / "data",
+            port=port,
+            stderr=tmp_path / "serve.err",
+        )
+        status = server.wait()
+
+    assert status != 0
+    assert "Board" not in server.output, "no banner for a board that is not served"
+    assert server.error_output.strip().splitlines() == [
+        f"CommandError: port {port} is taken (something listens on 127.0.0.1:{port}): stop "
+        "it, or serve on another port (--port)"
+    ]

