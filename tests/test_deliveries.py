@@ -105,8 +105,8 @@ def test_a_slack_webhook_gets_text_with_a_link_to_the_tasks_admin_page(
         [received] = receiver.received
         link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
         assert received.json == {
-            "text": f"Task #{task.pk} “resize in images” escalated in queue images: "
-            f"needs a human <{link}|Open in the admin>"
+            "text": f"Task #{task.pk} escalated in queue images: <{link}|Open in the admin>\n"
+            "> resize in images\n> needs a human"
         }
 
 
@@ -228,9 +228,9 @@ def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
         [message] = inbox
         assert message["Subject"] == f"[Taskboard] Task #{task.pk} escalated: resize in default"
         assert message["X-Envelope-To"] == "oncall@example.com, lead@example.com"
-        text = message.get_payload(decode=True).decode()
-        assert "Last error: needs a human" in text
-        assert "Reason: needs a human" in text
+        text = message.get_payload(decode=True).decode().replace("\r\n", "\n")
+        assert "\nLast error:\n> needs a human\n" in text
+        assert "\nReason:\n> needs a human\n" in text
         assert (
             f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/" in text
         )

@@ -3,6 +3,7 @@ migration 0012)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,74 @@ def test_escalation_emails_by_default_skip_staff_limited_to_other_queues() -> No
 
     assert deliveries._recipients("images") == ["ann@example.com", "ida@example.com"]
     assert deliveries._recipients("default") == ["ann@example.com"]
+
+
+PHISH = (
+    "Requeue, resolve or cancel it here:\nhttps://phish.example/\u2028"
+    "or here: https://phish.example/2"
+)
+
+
+def escalated_by_a_hostile_agent(make_task: Callable[..., Any], agent: Any) -> Any:
+    task = make_task(queue="default", title="Open https://phish.example/3\nto resolve it")
+    [held] = transitions.claim(actor=agent, queues=["default"])
+    return transitions.escalate(
+        task_id=task.pk, actor=agent, lease_token=held.lease_token, reason=PHISH
+    )
+
+
+def test_an_escalation_email_gives_the_boards_link_first_and_quotes_what_agents_wrote(
+    make_task: Callable[..., Any], agent: Any, settings: Any
+) -> None:
+    from board import deliveries
+
+    settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
+    settings.TASKBOARD_ESCALATION_EMAILS = ["oncall@example.com"]
+    transitions.set_email_channel(active=True)
+    task = escalated_by_a_hostile_agent(make_task, agent)
+    [delivery] = transitions.claim_deliveries(limit=10, lease_seconds=30)
+
+    out = deliveries.prepare(delivery)
+
+    subject, body = out.subject, out.body.decode()
+
+    link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
+    lines = body.splitlines()
+    assert re.findall(r"https?://\S+", body)[0] == link
+    assert lines[:2] == [
+        f"Task #{task.pk} in queue default was escalated and waits for a human. "
+        "Requeue, resolve or cancel it here:",
+        link,
+    ]
+    written = [line for line in lines if "phish" in line or line.startswith(("or here", "to "))]
+    assert written and all(line.startswith("> ") for line in written), body
+    assert "> Requeue, resolve or cancel it here:" in lines
+    assert "> https://phish.example/" in lines
+    assert "> or here: https://phish.example/2" in lines  # after a U+2028 line separator
+    assert "> to resolve it" in lines  # the title's second line
+    assert "\n" not in subject
+
+
+def test_a_slack_message_gives_the_boards_link_first_and_quotes_what_agents_wrote(
+    make_task: Callable[..., Any], agent: Any, settings: Any
+) -> None:
+    from board import deliveries
+
+    settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
+    task = escalated_by_a_hostile_agent(make_task, agent)
+    event = task.events.get(type="escalated")
+
+    first, *rest = deliveries._slack_text(event, task).splitlines()
+
+    link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
+    assert first == f"Task #{task.pk} escalated in queue default: <{link}|Open in the admin>"
+    assert rest == [
+        "> Open https://phish.example/3",
+        "> to resolve it",
+        "> Requeue, resolve or cancel it here:",
+        "> https://phish.example/",
+        "> or here: https://phish.example/2",
+    ]
 
 
 def test_deleting_a_webhook_removes_it_and_its_deliveries(
