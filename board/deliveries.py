@@ -53,7 +53,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
-from board import transitions
+from board import transitions, webhook_addresses
 from board.models import (
     Delivery,
     DeliveryResult,
@@ -66,6 +66,7 @@ from board.models import (
     WebhookKind,
 )
 from board.sql import QUERIES
+from board.webhook_addresses import AddressRefused
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -352,6 +353,9 @@ async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int |
             client.post(out.url, content=out.body, headers=headers, timeout=timeout_seconds()),
             timeout_seconds(),
         )
+    except AddressRefused as refused:
+        # Refused before any connection: nothing learnt from the address is recorded.
+        return False, None, str(refused)
     except (TimeoutError, httpx.TimeoutException):
         return False, None, f"no answer within {timeout_seconds():g} s"
     except Exception as exc:  # refused, reset, an address httpx cannot use: retried
@@ -368,7 +372,9 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="taskboard-deliveries")
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._client = httpx.AsyncClient(follow_redirects=False)
+        # Only to public addresses, checked as each connection is made (unless
+        # TASKBOARD_WEBHOOK_ALLOW_PRIVATE).
+        self._client = webhook_addresses.client()
         self._task: asyncio.Task[None] | None = None
         self._unlisten: Callable[[], None] | None = None
 

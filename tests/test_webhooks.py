@@ -109,6 +109,73 @@ def test_it_refuses_a_webhook_it_could_not_deliver(
     assert not Webhook.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/",
+        "http://127.0.0.1:5432/",
+        "http://localhost:8000/hook",
+        "http://LOCALHOST./",
+        "http://hooks.localhost/",
+        "http://2130706433/",  # 127.0.0.1, as one decimal number
+        "http://127.1/",
+        "http://0/",
+        "http://0x7f000001/",
+        "http://017700000001/",  # octal
+        "http://0.0.0.0/",
+        "http://[::1]/",
+        "http://[::]/",
+        "http://[::ffff:127.0.0.1]/",  # IPv4-mapped
+        "http://[::ffff:a9fe:a9fe]/",  # 169.254.169.254, IPv4-mapped
+        "http://[::127.0.0.1]/",  # IPv4-compatible
+        "http://[64:ff9b::7f00:1]/",  # NAT64 of 127.0.0.1
+        "http://[2002:7f00:1::]/",  # 6to4 of 127.0.0.1
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.1.2.3/",
+        "http://172.16.0.1/",
+        "http://192.168.1.1/",
+        "http://100.64.0.1/",  # shared address space (CGNAT)
+        "http://192.0.2.1/",  # documentation
+        "http://224.0.0.1/",  # multicast
+        "http://240.0.0.1/",  # reserved
+        "http://255.255.255.255/",
+        "https://[fe80::1]/",
+        "https://[fc00::1]/",
+        "https://[ff02::1]/",
+        "https://[2001:db8::1]/",
+    ],
+)
+def test_it_refuses_a_webhook_to_an_address_that_is_not_public(
+    staff_api: APIClient, url: str
+) -> None:
+    error = assert_error(post(staff_api, "webhooks/", {"url": url}), 400, "invalid")
+    assert list(error["fields"]) == ["url"], error
+    assert "is not a public address" in error["fields"]["url"][0]
+    assert not Webhook.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://93.184.215.14/hook",
+        "https://8.8.8.8:8443/",
+        "https://[2606:4700:4700::1111]/",
+        "https://[::ffff:8.8.8.8]/",
+        "https://[2002:808:808::]/",  # 6to4 of 8.8.8.8
+    ],
+)
+def test_it_takes_a_webhook_to_a_public_address(staff_api: APIClient, url: str) -> None:
+    assert add_webhook(staff_api, url=url)["url"] == url
+
+
+def test_with_private_addresses_allowed_it_takes_a_webhook_to_one(
+    staff_api: APIClient, settings: Any
+) -> None:
+    settings.TASKBOARD_WEBHOOK_ALLOW_PRIVATE = True
+    for url in ("http://127.0.0.1:9/hook", "http://localhost/", "http://[::1]/"):
+        assert add_webhook(staff_api, url=url)["url"] == url
+
+
 @pytest.mark.parametrize("port", ["1", "80", "8080", "59999", "64999", "65499", "65529", "65535"])
 def test_it_takes_a_webhook_on_any_port(staff_api: APIClient, port: str) -> None:
     url = f"https://example.com:{port}/hook"
