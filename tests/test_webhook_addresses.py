@@ -48,22 +48,22 @@ class Recorder(httpcore.AsyncMockBackend):
     """A network that records where it was asked to connect and what was written, and
     answers every request 200."""
 
+    ANSWER = [b"HTTP/1.1 200 OK\r\n", b"Content-Length: 0\r\n", b"\r\n"]
+
     def __init__(self) -> None:
-        super().__init__([b"HTTP/1.1 200 OK\r\n", b"Content-Length: 0\r\n", b"\r\n"])
+        super().__init__(self.ANSWER)
         self.connects: list[tuple[str, int]] = []
         self.written = bytearray()
 
     async def connect_tcp(self, host: str, port: int, *args: Any, **kwargs: Any) -> Any:
         self.connects.append((host, port))
-        stream = await super().connect_tcp(host, port, *args, **kwargs)
         recorder = self
 
-        class Recording(type(stream)):  # type: ignore[misc]
+        class Recording(httpcore.AsyncMockStream):
             async def write(self, buffer: bytes, timeout: float | None = None) -> None:
                 recorder.written += buffer
 
-        stream.__class__ = Recording
-        return stream
+        return Recording(list(self.ANSWER))
 
 
 @pytest.fixture(autouse=True)
