@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -41,11 +42,26 @@ def may_issue_for(actor: Any, user: Any) -> bool:
     return bool(actor.is_superuser or not (user.is_staff or user.is_superuser))
 
 
-def check_may_issue_for(actor: Any, users: list[Any]) -> None:
+def manageable(actor: Any, queryset: QuerySet[ApiToken]) -> QuerySet[ApiToken]:
+    """Return the tokens of ``queryset`` that ``actor`` may issue, rotate or delete: the
+    rule of :func:`may_issue_for`, as a filter."""
+    access = queue_access(actor)
+    others = Q()
+    if access.limited:
+        # Covered: the user is limited, to some of the actor's queues only.
+        others &= Q(user__queue_limit__queues__contained_by=sorted(access.queues or ()))
+    if not actor.is_superuser:
+        others &= Q(user__is_staff=False, user__is_superuser=False)
+    if not others:  # Q() | Q(...) would be the Q(...) alone
+        return queryset
+    return queryset.filter(Q(user_id=actor.pk) | others)
+
+
+def check_may_issue_for(actor: Any, users: list[Any], verb: str = "issue or rotate") -> None:
     if not all(may_issue_for(actor, user) for user in users):
         raise PermissionDenied(
-            "Only a superuser may issue or rotate the token of staff, and staff limited to "
-            "some queues only that of users limited to some of theirs."
+            f"Only a superuser may {verb} the token of staff, and staff limited to some "
+            "queues only that of users limited to some of theirs."
         )
 
 
@@ -63,6 +79,56 @@ class ApiTokenAdmin(SelectionChecked):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # A token is never edited: it is issued (pick the user), rotated or deleted.
         return ["created"] if obj is None else ["user", "created"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ApiToken]:
+        # Deleting a token locks its user out, and a token acts as its user: the list, the
+        # token pages and the actions hold only the tokens this user may manage.
+        return manageable(request.user, super().get_queryset(request))
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if not super().has_delete_permission(request, obj):
+            return False
+        return obj is None or may_issue_for(request.user, obj.user)
+
+    def delete_model(self, request: HttpRequest, obj: ApiToken) -> None:
+        check_may_issue_for(request.user, [obj.user], "delete")
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
+        users = [token.user for token in queryset.select_related("user")]
+        check_may_issue_for(request.user, users, "delete")
+        super().delete_queryset(request, queryset)
+
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[Any], *args: Any, **kwargs: Any
+    ) -> HttpResponse | None:
+        """Refuse a selection that names a token this user may not manage, rather than
+        apply the action to the rest of it (the list's queryset leaves those out)."""
+        if request.POST.get("select_across") != "1":
+            selected = self.existing(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+            verb = "delete" if request.POST.get("action") == "delete_selected" else "rotate"
+            check_may_issue_for(request.user, [token.user for token in selected], verb)
+        return super().response_action(request, queryset, *args, **kwargs)
+
+    def existing(self, keys: list[str]) -> list[ApiToken]:
+        """Return the tokens of ``keys`` whoever may manage them (none for a key that is
+        not one: SelectionChecked answers that)."""
+        key = ApiToken._meta.pk
+        assert key is not None
+        try:
+            values = [key.to_python(value) for value in keys]
+        except (ValidationError, ValueError, TypeError):
+            return []
+        return list(ApiToken.objects.filter(pk__in=values).select_related("user"))
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # As the rotate button answers: a token this user may not manage is refused (403),
+        # not taken for a missing one.
+        users = [token.user for token in self.existing([unquote(object_id)])]
+        check_may_issue_for(request.user, users, "delete")
+        return super().delete_view(request, object_id, extra_context)
 
     def has_rotate_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("access.change_apitoken")
@@ -106,9 +172,11 @@ class ApiTokenAdmin(SelectionChecked):
             return HttpResponseNotAllowed(["POST"])
         if not self.has_rotate_permission(request):
             raise PermissionDenied
-        token = self.get_object(request, unquote(object_id))
-        if token is None:
+        found = self.existing([unquote(object_id)])
+        if not found:
             raise Http404(f"No API token {object_id}.")
+        [token] = found
+        check_may_issue_for(request.user, [token.user])
         return self.rotate(request, self.get_queryset(request).filter(pk=token.pk))
 
     def change_view(

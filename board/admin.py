@@ -502,14 +502,18 @@ class DeliveryAdmin(ReadOnlyAdmin):
     fields = readonly_fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        # Staff limited to queues see (and retry) only the deliveries of their queues' tasks.
-        # (A delivery has no foreign key to its task: the log may be archived.)
+        # Staff limited to queues see (and retry) only the deliveries of the webhooks they
+        # may see (the webhook admin's rule), whose URL each row shows: a webhook of every
+        # queue is not theirs, though it sends their tasks' events too. And only those of
+        # their queues' tasks. (A delivery has no foreign key to its task: the log may be
+        # archived.)
         access = queue_access(request.user)
         deliveries = super().get_queryset(request)
         if not access.limited:
             return deliveries
+        webhooks = access.visible_webhooks(Webhook.objects.filter(pk=OuterRef("webhook_id")))
         tasks = access.visible(Task.objects.filter(pk=OuterRef("task_id")))
-        return deliveries.filter(Exists(tasks))
+        return deliveries.filter(Exists(webhooks), Exists(tasks))
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
         """Return whether the user may retry deliveries: staff, as for webhooks in the API."""

@@ -53,7 +53,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
-from board import transitions
+from board import transitions, webhook_addresses
 from board.models import (
     Delivery,
     DeliveryResult,
@@ -66,6 +66,7 @@ from board.models import (
     WebhookKind,
 )
 from board.sql import QUERIES
+from board.webhook_addresses import AddressRefused
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,14 +146,27 @@ class Outgoing:
     problem: str | None = None
 
 
+def quoted(text: str) -> str:
+    """Return ``text`` as a quotation in plain text: every line (by any line break a mail
+    reader may honour) prefixed with "> ", so that what a task's creator or agent wrote
+    cannot pass for the board's own words."""
+    return "\n".join(f"> {line}".rstrip() for line in (text.splitlines() or [""]))
+
+
 def _slack_text(event: TaskEvent, task: Task) -> str:
     def escape(text: str) -> str:  # Slack's mrkdwn: only these three are special
         return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
-    text = f"Task #{task.pk} “{escape(task.title)}” {event.type} in queue {task.queue}"
+    # The board's own words and link first; then what the task's creator and agent wrote,
+    # as a quotation, so that it cannot pass for the board's (a link of its own, say).
+    lines = [
+        f"Task #{task.pk} {event.type} in queue {task.queue}: <{admin_url(task)}|Open in the admin>"
+    ]
+    written = [task.title]
     if event.type == "escalated" and task.last_error:
-        text += f": {escape(task.last_error)}"
-    return f"{text} <{admin_url(task)}|Open in the admin>"
+        written.append(task.last_error)
+    lines.extend(quoted(escape(text)) for text in written)
+    return "\n".join(lines)
 
 
 def _recipients(queue: str) -> list[str]:
@@ -169,6 +183,23 @@ def _recipients(queue: str) -> list[str]:
     return sorted(staff.values_list("email", flat=True))
 
 
+def escalation_email(event: TaskEvent, task: Task) -> tuple[str, str]:
+    """Return the subject and plain-text body of the email for escalation ``event``: the
+    board's link first, then what the task's creator and agent wrote, quoted."""
+    reason = (event.payload or {}).get("reason")
+    context = {
+        "task": task,
+        "event": event,
+        "link": admin_url(task),
+        # Written by the task's creator and its agent: quoted, after the board's words.
+        "title": quoted(task.title),
+        "reason": quoted(str(reason)) if reason else None,
+        "last_error": None if task.last_error is None else quoted(task.last_error),
+    }
+    subject = " ".join(render_to_string("board/email/escalated_subject.txt", context).split())
+    return subject, render_to_string("board/email/escalated.txt", context)
+
+
 def prepare(delivery: Delivery) -> Outgoing:
     """Build what to send for ``delivery``: the event and task as the API renders them now."""
     from board.api.serializers import EventSerializer, TaskSerializer, render
@@ -183,16 +214,8 @@ def prepare(delivery: Delivery) -> Outgoing:
         out.problem = f"event {delivery.event_id} is no longer in the log"
         return out
     if webhook.kind == WebhookKind.EMAIL:
-        context = {
-            "task": task,
-            "event": event,
-            "reason": (event.payload or {}).get("reason"),
-            "link": admin_url(task),
-        }
-        out.subject = " ".join(
-            render_to_string("board/email/escalated_subject.txt", context).split()
-        )
-        out.body = render_to_string("board/email/escalated.txt", context).encode()
+        out.subject, body = escalation_email(event, task)
+        out.body = body.encode()
         out.recipients = _recipients(task.queue)
         if not out.recipients:
             out.problem = "no recipient: set TASKBOARD_ESCALATION_EMAILS or a staff user's email"
@@ -330,6 +353,9 @@ async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int |
             client.post(out.url, content=out.body, headers=headers, timeout=timeout_seconds()),
             timeout_seconds(),
         )
+    except AddressRefused as refused:
+        # Refused before any connection: nothing learnt from the address is recorded.
+        return False, None, str(refused)
     except (TimeoutError, httpx.TimeoutException):
         return False, None, f"no answer within {timeout_seconds():g} s"
     except Exception as exc:  # refused, reset, an address httpx cannot use: retried
@@ -346,7 +372,9 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="taskboard-deliveries")
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._client = httpx.AsyncClient(follow_redirects=False)
+        # Only to public addresses, checked as each connection is made (unless
+        # TASKBOARD_WEBHOOK_ALLOW_PRIVATE).
+        self._client = webhook_addresses.client()
         self._task: asyncio.Task[None] | None = None
         self._unlisten: Callable[[], None] | None = None
 

@@ -412,6 +412,9 @@ if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_
 TASKBOARD_PUBLIC_URL = os.environ.get("TASKBOARD_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 # Seconds a receiver has to answer a delivery with a 2xx (the contract's 10 s).
 TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10, minimum=1)
+# Whether webhooks may reach loopback, private, link-local and other non-public addresses
+# (board.webhook_addresses): off, staff could probe the server's own network through them.
+TASKBOARD_WEBHOOK_ALLOW_PRIVATE = env_bool("TASKBOARD_WEBHOOK_ALLOW_PRIVATE", False)
 # A failed attempt is retried after a random delay of up to BACKOFF * 2^(attempts-1) seconds
 # (at most MAX_BACKOFF: exponential backoff, full jitter), for HORIZON seconds after the
 # event (the contract's 24 hours), then marked failed.

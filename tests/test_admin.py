@@ -858,6 +858,45 @@ def test_staff_limited_to_queues_see_and_retry_only_their_queues_webhooks_and_de
     }
 
 
+def test_staff_limited_to_queues_never_see_the_url_of_a_webhook_that_is_not_theirs(
+    escalated: Callable[..., Task], staff: Any
+) -> None:
+    """A Slack incoming-webhook URL is a secret. The deliveries of a webhook of every queue
+    (or of another) to a task of theirs are not theirs either: not in the list, its filter
+    or a delivery's page, as the webhook itself is not."""
+    from board.models import Delivery
+
+    def hook(queues: list[str] | None, url: str) -> Any:
+        return transitions.create_webhook(
+            actor=staff, url=url, events=["escalated"], queues=queues, secret="s" * 32
+        )
+
+    every = hook(None, "https://hooks.slack.com/services/T0/B0/every-queue-secret")
+    hook(["theirs"], "https://hooks.slack.com/services/T0/B0/their-queue-secret")
+    ours_hook = hook(["ours"], "https://hooks.example.com/ours")
+    ours = escalated(queue="ours")
+    escalated(queue="theirs")
+    staff.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_webhook", "view_delivery"])
+    )
+    limit_queues(staff, ["ours"])
+    client = logged_in(staff)
+    [every_to_ours] = Delivery.objects.filter(webhook=every, task_id=ours.pk)
+
+    listed = client.get(reverse("admin:board_delivery_changelist"))
+    pages = [
+        listed,
+        client.get(reverse("admin:board_delivery_changelist"), {"webhook__id__exact": every.pk}),
+        client.get(reverse("admin:board_delivery_change", args=[every_to_ours.pk]), follow=True),
+    ]
+
+    assert {d.webhook_id for d in listed.context["cl"].result_list} == {ours_hook.pk}
+    assert "https://hooks.example.com/ours" in listed.content.decode()
+    for page in pages:
+        assert page.status_code == 200
+        assert "queue-secret" not in page.content.decode()
+
+
 # -- The escalated task's work graph, progress and comments -----------------------------
 
 

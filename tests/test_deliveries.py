@@ -16,13 +16,20 @@ import pytest
 
 from board import deliveries, transitions
 from board.models import Delivery, Webhook
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer, free_port, live_server
 from tests.processes import eventually
 from tests.receivers import WebhookReceiver, smtp_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 SECRET = "a-receivers-shared-secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def local_receivers(settings: Any) -> Any:
+    """The receivers here listen on 127.0.0.1, which webhooks may reach only so."""
+    settings.TASKBOARD_WEBHOOK_ALLOW_PRIVATE = True
+    return settings
 
 
 @pytest.fixture
@@ -105,9 +112,44 @@ def test_a_slack_webhook_gets_text_with_a_link_to_the_tasks_admin_page(
         [received] = receiver.received
         link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
         assert received.json == {
-            "text": f"Task #{task.pk} “resize in images” escalated in queue images: "
-            f"needs a human <{link}|Open in the admin>"
+            "text": f"Task #{task.pk} escalated in queue images: <{link}|Open in the admin>\n"
+            "> resize in images\n> needs a human"
         }
+
+
+def test_a_delivery_to_an_address_that_is_not_public_is_refused_and_tells_no_port_apart(
+    board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any, settings: Any
+) -> None:
+    """Webhooks added when private addresses were allowed (or whose name resolves to one
+    now) are refused at delivery, before any connection: the receiver gets nothing, and an
+    open port and a closed one are recorded alike."""
+    settings.TASKBOARD_WEBHOOK_ALLOW_PRIVATE = False
+    with WebhookReceiver() as receiver:
+        closed = free_port()
+        urls = [
+            receiver.url,  # open
+            f"http://2130706433:{receiver.port}/hook",  # open, 127.0.0.1 spelt otherwise
+            f"http://127.0.0.1:{closed}/hook",  # closed
+        ]
+        hooks = [
+            transitions.create_webhook(
+                actor=staff, url=url, events=["escalated"], queues=None, secret=SECRET
+            )
+            for url in urls
+        ]
+        escalate(make_task, agent)
+        eventually(
+            lambda: not Delivery.objects.filter(status="pending", last_error=None).exists(),
+            timeout=20,
+            what="an attempt of every delivery recorded",
+        )
+
+        assert receiver.received == []
+        recorded = {
+            (d.status, d.last_status_code, d.last_error)
+            for d in Delivery.objects.filter(webhook__in=hooks)
+        }
+        assert recorded == {("pending", None, "refused: address 127.0.0.1 is not public")}
 
 
 def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
@@ -228,9 +270,9 @@ def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
         [message] = inbox
         assert message["Subject"] == f"[Taskboard] Task #{task.pk} escalated: resize in default"
         assert message["X-Envelope-To"] == "oncall@example.com, lead@example.com"
-        text = message.get_payload(decode=True).decode()
-        assert "Last error: needs a human" in text
-        assert "Reason: needs a human" in text
+        text = message.get_payload(decode=True).decode().replace("\r\n", "\n")
+        assert "\nLast error:\n> needs a human\n" in text
+        assert "\nReason:\n> needs a human\n" in text
         assert (
             f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/" in text
         )

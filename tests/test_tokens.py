@@ -305,6 +305,103 @@ def test_staff_limited_to_queues_mint_tokens_only_of_users_within_their_queues(
     assert api_client(shown_token(rotate_of_a)).get("/api/v1/tasks/").status_code == 200
 
 
+@pytest.mark.django_db
+def test_staff_limited_to_a_queue_delete_and_list_only_tokens_of_users_within_it(
+    settings: Any,
+) -> None:
+    """Deleting a token locks its user out: staff limited to queue qa who may delete
+    tokens must not revoke the token of an agent of qb or of a superuser, one at a time or
+    as a selection, nor see them in the list."""
+    from django.contrib.auth.models import Permission
+
+    from board.access import limit_queues
+
+    settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
+    root = get_user_model().objects.create_superuser("root", password="x")
+    root_token = str(TokenFactory(user=root).key)
+    keeper = StaffFactory(username="ops-limited")
+    keeper.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_apitoken", "delete_apitoken"])
+    )
+    limit_queues(keeper, ["qa"])
+    TokenFactory(user=keeper)
+    of_qb = UserFactory(username="bob")
+    limit_queues(of_qb, ["qb"])
+    of_qb_token = str(TokenFactory(user=of_qb).key)
+    unlimited = UserFactory(username="carol")
+    unlimited_token = str(TokenFactory(user=unlimited).key)
+    of_qa = UserFactory(username="alice")
+    limit_queues(of_qa, ["qa"])
+    TokenFactory(user=of_qa)
+    client = Client()
+    client.force_login(keeper)
+
+    listed = client.get(TOKENS_URL)
+    delete_of_qb = client.post(
+        reverse("admin:access_apitoken_delete", args=[of_qb.pk]), {"post": "yes"}
+    )
+    delete_root = client.post(
+        reverse("admin:access_apitoken_delete", args=[root.pk]), {"post": "yes"}
+    )
+    delete_many = client.post(
+        TOKENS_URL,
+        {
+            "action": "delete_selected",
+            "_selected_action": [root.pk, of_qb.pk, unlimited.pk, of_qa.pk],
+            "post": "yes",
+        },
+    )
+
+    assert listed.status_code == 200
+    assert sorted(t.user.username for t in listed.context["cl"].result_list) == [
+        "alice",
+        "ops-limited",
+    ]
+    assert (delete_of_qb.status_code, delete_root.status_code) == (403, 403)
+    assert delete_many.status_code == 403
+    for token in (root_token, of_qb_token, unlimited_token):
+        assert api_client(token).get("/api/v1/tasks/").status_code == 200
+    assert ApiToken.objects.filter(user=of_qa).exists()
+
+    # Those within the limit it may delete, one at a time or as a selection.
+    delete_of_qa = client.post(
+        TOKENS_URL, {"action": "delete_selected", "_selected_action": [of_qa.pk], "post": "yes"}
+    )
+    assert delete_of_qa.status_code == 302
+    assert not ApiToken.objects.filter(user=of_qa).exists()
+    assert ApiToken.objects.count() == 4
+
+
+@pytest.mark.django_db
+def test_the_token_list_shows_exactly_the_tokens_its_user_may_issue_or_rotate() -> None:
+    """The list's filter (access.admin.manageable) is the rule of may_issue_for."""
+    from access.admin import manageable, may_issue_for
+    from board.access import limit_queues
+
+    root = get_user_model().objects.create_superuser("root", password="x")
+    users = [root]
+    for name, staff, queues in [
+        ("ops-ab", True, ["qa", "qb"]),
+        ("ops-a", True, ["qa"]),
+        ("ops-all", True, None),
+        ("agent-a", False, ["qa"]),
+        ("agent-ab", False, ["qa", "qb"]),
+        ("agent-b", False, ["qb"]),
+        ("agent-all", False, None),
+    ]:
+        user = (StaffFactory if staff else UserFactory)(username=name)
+        if queues:
+            limit_queues(user, queues)
+        users.append(user)
+    for user in users:
+        TokenFactory(user=user)
+    users = list(get_user_model().objects.all())  # fresh, without cached queue limits
+
+    for actor in users:
+        listed = set(manageable(actor, ApiToken.objects.all()).values_list("user_id", flat=True))
+        assert listed == {u.pk for u in users if may_issue_for(actor, u)}, actor.username
+
+
 # Failed authentication throttled
 
 

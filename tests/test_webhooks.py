@@ -3,6 +3,7 @@ migration 0012)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +109,73 @@ def test_it_refuses_a_webhook_it_could_not_deliver(
     assert not Webhook.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/",
+        "http://127.0.0.1:5432/",
+        "http://localhost:8000/hook",
+        "http://LOCALHOST./",
+        "http://hooks.localhost/",
+        "http://2130706433/",  # 127.0.0.1, as one decimal number
+        "http://127.1/",
+        "http://0/",
+        "http://0x7f000001/",
+        "http://017700000001/",  # octal
+        "http://0.0.0.0/",
+        "http://[::1]/",
+        "http://[::]/",
+        "http://[::ffff:127.0.0.1]/",  # IPv4-mapped
+        "http://[::ffff:a9fe:a9fe]/",  # 169.254.169.254, IPv4-mapped
+        "http://[::127.0.0.1]/",  # IPv4-compatible
+        "http://[64:ff9b::7f00:1]/",  # NAT64 of 127.0.0.1
+        "http://[2002:7f00:1::]/",  # 6to4 of 127.0.0.1
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.1.2.3/",
+        "http://172.16.0.1/",
+        "http://192.168.1.1/",
+        "http://100.64.0.1/",  # shared address space (CGNAT)
+        "http://192.0.2.1/",  # documentation
+        "http://224.0.0.1/",  # multicast
+        "http://240.0.0.1/",  # reserved
+        "http://255.255.255.255/",
+        "https://[fe80::1]/",
+        "https://[fc00::1]/",
+        "https://[ff02::1]/",
+        "https://[2001:db8::1]/",
+    ],
+)
+def test_it_refuses_a_webhook_to_an_address_that_is_not_public(
+    staff_api: APIClient, url: str
+) -> None:
+    error = assert_error(post(staff_api, "webhooks/", {"url": url}), 400, "invalid")
+    assert list(error["fields"]) == ["url"], error
+    assert "is not a public address" in error["fields"]["url"][0]
+    assert not Webhook.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://93.184.215.14/hook",
+        "https://8.8.8.8:8443/",
+        "https://[2606:4700:4700::1111]/",
+        "https://[::ffff:8.8.8.8]/",
+        "https://[2002:808:808::]/",  # 6to4 of 8.8.8.8
+    ],
+)
+def test_it_takes_a_webhook_to_a_public_address(staff_api: APIClient, url: str) -> None:
+    assert add_webhook(staff_api, url=url)["url"] == url
+
+
+def test_with_private_addresses_allowed_it_takes_a_webhook_to_one(
+    staff_api: APIClient, settings: Any
+) -> None:
+    settings.TASKBOARD_WEBHOOK_ALLOW_PRIVATE = True
+    for url in ("http://127.0.0.1:9/hook", "http://localhost/", "http://[::1]/"):
+        assert add_webhook(staff_api, url=url)["url"] == url
+
+
 @pytest.mark.parametrize("port", ["1", "80", "8080", "59999", "64999", "65499", "65529", "65535"])
 def test_it_takes_a_webhook_on_any_port(staff_api: APIClient, port: str) -> None:
     url = f"https://example.com:{port}/hook"
@@ -173,6 +241,74 @@ def test_escalation_emails_by_default_skip_staff_limited_to_other_queues() -> No
 
     assert deliveries._recipients("images") == ["ann@example.com", "ida@example.com"]
     assert deliveries._recipients("default") == ["ann@example.com"]
+
+
+PHISH = (
+    "Requeue, resolve or cancel it here:\nhttps://phish.example/\u2028"
+    "or here: https://phish.example/2"
+)
+
+
+def escalated_by_a_hostile_agent(make_task: Callable[..., Any], agent: Any) -> Any:
+    task = make_task(queue="default", title="Open https://phish.example/3\nto resolve it")
+    [held] = transitions.claim(actor=agent, queues=["default"])
+    return transitions.escalate(
+        task_id=task.pk, actor=agent, lease_token=held.lease_token, reason=PHISH
+    )
+
+
+def test_an_escalation_email_gives_the_boards_link_first_and_quotes_what_agents_wrote(
+    make_task: Callable[..., Any], agent: Any, settings: Any
+) -> None:
+    from board import deliveries
+
+    settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
+    settings.TASKBOARD_ESCALATION_EMAILS = ["oncall@example.com"]
+    transitions.set_email_channel(active=True)
+    task = escalated_by_a_hostile_agent(make_task, agent)
+    [delivery] = transitions.claim_deliveries(limit=10, lease_seconds=30)
+
+    out = deliveries.prepare(delivery)
+
+    subject, body = out.subject, out.body.decode()
+
+    link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
+    lines = body.splitlines()
+    assert re.findall(r"https?://\S+", body)[0] == link
+    assert lines[:2] == [
+        f"Task #{task.pk} in queue default was escalated and waits for a human. "
+        "Requeue, resolve or cancel it here:",
+        link,
+    ]
+    written = [line for line in lines if "phish" in line or line.startswith(("or here", "to "))]
+    assert written and all(line.startswith("> ") for line in written), body
+    assert "> Requeue, resolve or cancel it here:" in lines
+    assert "> https://phish.example/" in lines
+    assert "> or here: https://phish.example/2" in lines  # after a U+2028 line separator
+    assert "> to resolve it" in lines  # the title's second line
+    assert "\n" not in subject
+
+
+def test_a_slack_message_gives_the_boards_link_first_and_quotes_what_agents_wrote(
+    make_task: Callable[..., Any], agent: Any, settings: Any
+) -> None:
+    from board import deliveries
+
+    settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
+    task = escalated_by_a_hostile_agent(make_task, agent)
+    event = task.events.get(type="escalated")
+
+    first, *rest = deliveries._slack_text(event, task).splitlines()
+
+    link = f"https://board.example.com/admin/escalations/escalatedtask/{task.pk}/change/"
+    assert first == f"Task #{task.pk} escalated in queue default: <{link}|Open in the admin>"
+    assert rest == [
+        "> Open https://phish.example/3",
+        "> to resolve it",
+        "> Requeue, resolve or cancel it here:",
+        "> https://phish.example/",
+        "> or here: https://phish.example/2",
+    ]
 
 
 def test_deleting_a_webhook_removes_it_and_its_deliveries(

@@ -10,7 +10,7 @@ from django.core.validators import RegexValidator
 from django.utils import timezone
 from rest_framework import serializers
 
-from board import conf
+from board import conf, webhook_addresses
 from board.models import (
     MAX_ATTEMPT_SECONDS,
     MAX_DEPENDENCIES,
@@ -592,7 +592,10 @@ class WebhookCreateSerializer(serializers.Serializer[Any]):
         WEBHOOK_URL_PATTERN,
         max_length=2000,
         error_messages={"invalid": "Use an http or https URL."},
-        help_text="Where to POST the deliveries: an http or https URL.",
+        help_text=(
+            "Where to POST the deliveries: an http or https URL whose host is, and resolves "
+            "to, public addresses only (unless TASKBOARD_WEBHOOK_ALLOW_PRIVATE)."
+        ),
     )
     events = serializers.ListField(
         child=serializers.ChoiceField(choices=EventType.choices),
@@ -627,6 +630,11 @@ class WebhookCreateSerializer(serializers.Serializer[Any]):
             "with a link to the task's admin page."
         ),
     )
+
+    def validate_url(self, value: str) -> str:
+        if reason := webhook_addresses.refusal(value):
+            raise serializers.ValidationError(reason)
+        return value
 
     def validate_events(self, value: list[str]) -> list[str]:
         return sorted(set(value), key=value.index)
