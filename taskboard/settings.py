@@ -328,6 +328,11 @@ TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4, minimum=1)
 # Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
 TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
 
+# Seconds a connection has to send a request's complete headers, from when it opens (or,
+# between requests, from the request's first byte); past it the connection is closed
+# (taskboard.server.HttpToolsProtocol). An open response (a stream) is never cut by it.
+TASKBOARD_HEADER_TIMEOUT = env_int("TASKBOARD_HEADER_TIMEOUT", 10, minimum=1, maximum=3600)
+
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
 TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 

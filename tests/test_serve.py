@@ -3,14 +3,20 @@ embedded PostgreSQL, prints the first-run secrets once, and serves the API with 
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import os
 import re
+import socket
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from taskboard.management.commands.serve import Command
+from tests.factories import TokenFactory, UserFactory
 from tests.processes import ServeProcess, free_port
 
 
@@ -121,3 +127,112 @@ def test_an_operators_metrics_directory_must_exist_and_is_emptied_of_an_earlier_
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert server._share_metrics() is None  # the operator's: not removed at the end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def serve_on_the_test_database(tmp_path: Path, **env: str) -> ServeProcess:
+    """Start ``serve --workers 1`` on the test database (committed data: a transactional
+    test's) with ``env``, and return it once healthy."""
+    from tests.processes import tests_database_url
+
+    server = ServeProcess(
+        tmp_path / "serve.log", "--workers", "1", env={"DATABASE_URL": tests_database_url(), **env}
+    )
+    try:
+        return server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+
+
+def closed_after(sock: socket.socket, opened: float, limit: float) -> tuple[float, bytes]:
+    """Read ``sock`` until the server closes it; return the seconds from ``opened`` that
+    took (at most ``limit``, else fail) and what the server sent."""
+    sock.settimeout(max(0.1, opened + limit - time.monotonic()))
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        raise AssertionError(f"the connection was still open after {limit} s") from None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - opened, received
+
+
+HEADER_TIMEOUT = 2
+MARGIN = 3
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_connections_that_never_finish_their_headers_are_closed_but_streams_run_on(
+    tmp_path: Path,
+) -> None:
+    user = UserFactory(username="header-watcher")
+    token = TokenFactory(user=user).key
+    server = serve_on_the_test_database(tmp_path, TASKBOARD_HEADER_TIMEOUT=str(HEADER_TIMEOUT))
+    address = ("127.0.0.1", server.port)
+    try:
+        stream = socket.create_connection(address, timeout=10)
+        stream.sendall(
+            b"GET /api/v1/stream/ HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\nAccept: text/event-stream\r\n\r\n"
+        )
+        head = stream.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        stream_opened = time.monotonic()
+
+        idle = socket.create_connection(address)
+        dripper = socket.create_connection(address)
+        opened = time.monotonic()
+        dripper.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        stop = threading.Event()
+
+        def drip() -> None:
+            # A header line every half second: each one used to keep the connection open.
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.5):
+                    dripper.sendall(b"X-Drip: 1\r\n")
+
+        dripping = threading.Thread(target=drip, daemon=True)
+        dripping.start()
+        try:
+            idle_for, said_to_idle = closed_after(idle, opened, HEADER_TIMEOUT + MARGIN)
+            _, said_to_dripper = closed_after(dripper, opened, HEADER_TIMEOUT + MARGIN)
+        finally:
+            stop.set()
+            dripping.join()
+            idle.close()
+            dripper.close()
+        assert idle_for >= HEADER_TIMEOUT - 0.5, "closed before the deadline"
+        assert said_to_idle == b"", "no answer to a connection that asked nothing"
+        assert said_to_dripper.startswith(b"HTTP/1.1 408 "), said_to_dripper
+
+        # A request that sends its headers at once is served, twice on one connection.
+        normal = http.client.HTTPConnection(*address, timeout=10)
+        try:
+            for _ in range(2):
+                normal.request("GET", "/healthz")
+                answer = normal.getresponse()
+                assert answer.status == 200, answer.read()
+                answer.read()
+        finally:
+            normal.close()
+
+        # The stream, open well past the deadline, still carries events.
+        time.sleep(max(0.0, stream_opened + HEADER_TIMEOUT + MARGIN - time.monotonic()))
+        created = httpx.post(
+            f"{server.url}/api/v1/tasks/",
+            json={"title": "after the deadline"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert created.status_code == 201, created.text
+        received = b""
+        stream.settimeout(10)
+        while b"after the deadline" not in received:
+            chunk = stream.recv(65536)
+            assert chunk, f"the stream was closed: {received[-500:]!r}"
+            received += chunk
+        stream.close()
+    finally:
+        server.stop()

@@ -129,6 +129,7 @@ class Command(BaseCommand):
             proxy_headers=True,
             server_header=False,
             http=server.HttpToolsProtocol,
+            header_timeout=settings.TASKBOARD_HEADER_TIMEOUT,
         )
         try:
             server.run(config)
