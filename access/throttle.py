@@ -26,8 +26,9 @@ statement fewer each. An address's first failure of a window is announced with N
 (``auth_failures``), which every process's event relay hears (board.relay), and makes every
 process forget it; a process whose relay is not listening remembers nothing.
 
-The client address is ``REMOTE_ADDR``, as uvicorn sets it (``taskboard serve`` trusts
-``X-Forwarded-For`` only from 127.0.0.1, a proxy on the same host).
+The client address is ``REMOTE_ADDR``, as uvicorn sets it: the TCP peer, or what
+``X-Forwarded-For`` says when the peer is a proxy in FORWARDED_ALLOW_IPS (none by default;
+``serve --pushpin`` adds its own Pushpin's 127.0.0.1).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
@@ -135,9 +136,9 @@ if TASKBOARD_HTTPS:
     CSRF_COOKIE_SECURE = True
     # Browsers use HTTPS only for this host from their first visit on, for a year.
     SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
-    # The proxy says whether the client's request came over TLS. Trust it only behind a
-    # proxy that sets (or strips) this header on every request.
-    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Whether the client's request came over TLS is the request's scheme, which uvicorn
+    # takes from X-Forwarded-Proto only when the peer is in FORWARDED_ALLOW_IPS (no
+    # SECURE_PROXY_SSL_HEADER: Django would believe that header from any peer).
     MIDDLEWARE.insert(
         MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
         "csp.middleware.CSPMiddleware",
@@ -332,6 +333,21 @@ TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
 # between requests, from the request's first byte); past it the connection is closed
 # (taskboard.server.HttpToolsProtocol). An open response (a stream) is never cut by it.
 TASKBOARD_HEADER_TIMEOUT = env_int("TASKBOARD_HEADER_TIMEOUT", 10, minimum=1, maximum=3600)
+
+# The proxies whose X-Forwarded-For and X-Forwarded-Proto are believed: addresses or
+# networks (10.0.0.0/8), comma-separated, or * (every peer). Empty by default: a client on
+# the server's own host is no proxy. `serve --pushpin` adds the address its own Pushpin
+# connects from (taskboard.management.commands.serve).
+FORWARDED_ALLOW_IPS = env_list("FORWARDED_ALLOW_IPS", "")
+for _proxy in FORWARDED_ALLOW_IPS:
+    try:
+        if _proxy != "*":
+            ipaddress.ip_network(_proxy)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"FORWARDED_ALLOW_IPS must be IP addresses or networks, comma-separated (or *), "
+            f"not {_proxy!r}"
+        ) from None
 
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
 TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
