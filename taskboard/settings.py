@@ -410,8 +410,14 @@ TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int(
 # EMAIL_URL (smtp://user:password@host:587/?tls=True, parsed by dj-email-url): when set,
 # every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
 # user with an email).
+# When EMAIL_URL is set, the password reset pages are served too, their emails delivered
+# as the escalations' are (board.views.PasswordResetView); unset, there are none.
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
 EMAIL_URL = os.environ.get("EMAIL_URL", "")
+# Seconds each SMTP read or write may wait, for any email sent through Django (Django's
+# default is none: forever). board.deliveries bounds its whole session more tightly.
+# EMAIL_URL's ?timeout= wins.
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
 if EMAIL_URL:
     # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
     _email = env_url("EMAIL_URL", dj_email_url.parse)
@@ -423,6 +429,8 @@ if EMAIL_URL:
             "EMAIL_URL is not a URL it can use: give smtp://host:port (or submission://, "
             "console:, dummy:)"
         )
+    if _email.get("EMAIL_TIMEOUT") is None:
+        _email.pop("EMAIL_TIMEOUT", None)
     vars().update(_email)
 TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
 for _address in TASKBOARD_ESCALATION_EMAILS:
