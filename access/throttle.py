@@ -1,8 +1,9 @@
 """Failed authentication, throttled per client address, across every server process.
 
 After TASKBOARD_AUTH_FAILURE_LIMIT failures (401 answers of the API and the stream to a
-request that presented credentials, failed logins at /admin/login/ and /accounts/login/)
-from one address within a window of
+request that presented credentials, failed logins at /admin/login/ and /accounts/login/,
+and every request for a password reset email, which is another way to try addresses and
+to send mail to them) from one address within a window of
 TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS, every request from that address that would
 authenticate answers ``429 {"error": "throttled"}`` (a page at the login forms) with
 ``Retry-After`` until the window ends, even one carrying a valid token: otherwise a
@@ -26,8 +27,9 @@ statement fewer each. An address's first failure of a window is announced with N
 (``auth_failures``), which every process's event relay hears (board.relay), and makes every
 process forget it; a process whose relay is not listening remembers nothing.
 
-The client address is ``REMOTE_ADDR``, as uvicorn sets it (``taskboard serve`` trusts
-``X-Forwarded-For`` only from 127.0.0.1, a proxy on the same host).
+The client address is ``REMOTE_ADDR``, as uvicorn sets it: the TCP peer, or what
+``X-Forwarded-For`` says when the peer is a proxy in FORWARDED_ALLOW_IPS (none by default;
+``serve --pushpin`` adds its own Pushpin's 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.urls import reverse
+from django.urls import NoReverseMatch, reverse
 
 from board.middleware import database_unavailable, error_response, is_database_outage
 from board.sql import load
@@ -199,7 +201,8 @@ def page(seconds: int) -> HttpResponse:
     response = HttpResponse(
         "<!doctype html><title>Too many failed logins · Taskboard</title>"
         "<h1>Too many failed logins</h1>"
-        f"<p>Too many failed logins came from your address. Try again in {seconds} seconds.</p>",
+        "<p>Too many failed logins or password resets came from your address. "
+        f"Try again in {seconds} seconds.</p>",
         status=429,
     )
     response["Retry-After"] = str(seconds)
@@ -229,15 +232,28 @@ def password_change_paths() -> frozenset[str]:
     return frozenset({reverse("admin:password_change"), reverse("password_change")})
 
 
+def asks_for_a_password_reset(request: HttpRequest) -> bool:
+    """Tell whether ``request`` posts the password reset form (routed only when EMAIL_URL
+    is set: taskboard.urls)."""
+    if request.method != "POST":
+        return False
+    try:
+        return request.path == reverse("password_reset")
+    except NoReverseMatch:
+        return False
+
+
 def authenticates(request: HttpRequest) -> bool:
     """Tell whether ``request`` is one the throttle guards: an API call that authenticates,
-    a login, or a password change (which checks the current password)."""
+    a login, a password change (which checks the current password), or a password reset."""
     path = request.path
     if path == METRICS_PATH:  # a token guesser could try tokens there as well
         return True
     if path.startswith(API_PREFIX):
         return not path.startswith(PUBLIC_API_PREFIXES)
-    return request.method == "POST" and path in login_paths() | password_change_paths()
+    if request.method != "POST":
+        return False
+    return path in login_paths() | password_change_paths() or asks_for_a_password_reset(request)
 
 
 def guessed_a_password_wrong(request: HttpRequest, response: HttpResponse) -> bool:
@@ -250,7 +266,8 @@ def guessed_a_password_wrong(request: HttpRequest, response: HttpResponse) -> bo
 
 class FailedAuthenticationThrottle:
     """Django middleware: refuse throttled addresses with 429 before any authentication,
-    and count the API's 401 answers. Failed logins are counted by :func:`on_login_failed`.
+    and count the API's 401 answers, wrong current passwords and password reset requests.
+    Failed logins are counted by :func:`on_login_failed`.
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
@@ -273,7 +290,11 @@ class FailedAuthenticationThrottle:
         failed = response.status_code == 401 and presented_credentials(
             request.META.get("HTTP_AUTHORIZATION", "")
         )
-        if failed or guessed_a_password_wrong(request, response):
+        if (
+            failed
+            or guessed_a_password_wrong(request, response)
+            or asks_for_a_password_reset(request)
+        ):
             try:
                 record_failure(address)
             except Exception as exc:

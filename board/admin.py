@@ -521,5 +521,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="task", ordering="task_id")
     def task_link(self, delivery: Delivery) -> SafeString:
+        if delivery.task_id is None:  # a password reset email
+            return format_html("password reset to {}", delivery.recipient)
         url = reverse("admin:board_task_change", args=[delivery.task_id])
         return format_html('<a href="{}">#{}</a>', url, delivery.task_id)

@@ -12,8 +12,9 @@ is needed. The dispatcher:
   so N processes deliver each one once; a process killed mid-delivery leaves a lease that
   runs out, and another (or the restarted one) tries again: at least once;
 - POSTs ``{"event": Event, "task": Task}`` as the API renders them, signed, with httpx
-  (or a Slack ``{"text": ...}``), or sends the escalation email through Django's email
-  framework; 2xx within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS is success;
+  (or a Slack ``{"text": ...}``), or sends the escalation email, or a password reset
+  email, through Django's email framework; 2xx within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS
+  is success, and for an email, its SMTP session's end within that time;
 - records the outcome under the lease token: delivered, or due again after a backoff with
   full jitter (at TASKBOARD_DELIVERY_HORIZON_SECONDS when that would land past it), or
   failed when an attempt at or after the horizon fails.
@@ -40,10 +41,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.forms import PasswordResetForm
 from django.core.mail import EmailMessage, get_connection
 from django.core.mail.backends import smtp
 from django.db import Error as DatabaseError
@@ -142,6 +145,9 @@ class Outgoing:
     body: bytes = b""
     subject: str = ""
     recipients: list[str] = field(default_factory=list)
+    # A password reset: its emails (none when the address has no account that may reset).
+    reset: bool = False
+    emails: list[EmailMessage] = field(default_factory=list)
     # Set when it cannot be sent at all (its event was archived, say): recorded as a failure.
     problem: str | None = None
 
@@ -200,12 +206,59 @@ def escalation_email(event: TaskEvent, task: Task) -> tuple[str, str]:
     return subject, render_to_string("board/email/escalated.txt", context)
 
 
+class PasswordResetEmails(PasswordResetForm):
+    """Django's password reset form, whose emails are kept in ``emails`` for the caller to
+    send rather than sent one by one (where Django's logs and drops a failure)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.emails: list[EmailMessage] = []
+
+    def send_mail(
+        self,
+        subject_template_name: str,
+        email_template_name: str,
+        context: dict[str, Any],
+        from_email: str | None,
+        to_email: str,
+        html_email_template_name: str | None = None,
+    ) -> None:
+        subject = "".join(render_to_string(subject_template_name, context).splitlines())
+        body = render_to_string(email_template_name, context)
+        self.emails.append(EmailMessage(subject, body, from_email, [to_email]))
+
+
+def password_reset_emails(address: str) -> list[EmailMessage]:
+    """Return the password reset emails for ``address``: one per active account with that
+    email and a usable password, each with a link made now (valid for
+    PASSWORD_RESET_TIMEOUT), to the board at TASKBOARD_PUBLIC_URL."""
+    form = PasswordResetEmails({"email": address})
+    if not form.is_valid():  # checked when it was queued: a row written by hand
+        return []
+    public = urlsplit(settings.TASKBOARD_PUBLIC_URL)
+    form.save(
+        domain_override=public.netloc,
+        use_https=public.scheme == "https",
+        extra_email_context={"site_name": "Taskboard"},
+    )
+    return form.emails
+
+
 def prepare(delivery: Delivery) -> Outgoing:
-    """Build what to send for ``delivery``: the event and task as the API renders them now."""
+    """Build what to send for ``delivery``: the event and task as the API renders them now,
+    or a password reset's emails."""
     from board.api.serializers import EventSerializer, TaskSerializer, render
 
     assert delivery.lease_token is not None
-    out = Outgoing(delivery.pk, delivery.lease_token, delivery.attempts, event_id=delivery.event_id)
+    out = Outgoing(
+        delivery.pk, delivery.lease_token, delivery.attempts, event_id=delivery.event_id or 0
+    )
+    if delivery.recipient is not None:
+        out.kind, out.reset = WebhookKind.EMAIL, True
+        out.emails = password_reset_emails(delivery.recipient)
+        return out
+    # Not a reset: an event's (the table's check constraint).
+    assert delivery.event_id is not None and delivery.task_id is not None
     webhook = Webhook.objects.get(pk=delivery.webhook_id)
     event = TaskEvent.objects.filter(pk=delivery.event_id).first()
     task = Task.objects.filter(pk=delivery.task_id).first()
@@ -312,17 +365,21 @@ class BoundedEmailBackend(smtp.EmailBackend):
 
 
 def send_email(out: Outgoing, deadline: float) -> None:
-    """Send the escalation email through Django's email framework (EMAIL_URL), done by
-    ``deadline`` (``time.monotonic()``), which the attempt set before this thread started:
-    a thread that started late has less time, not more."""
+    """Send the escalation email, or a password reset's emails, through Django's email
+    framework (EMAIL_URL), in one session done by ``deadline`` (``time.monotonic()``),
+    which the attempt set before this thread started: a thread that started late has less
+    time, not more."""
+    if out.reset:
+        mails = out.emails
+    else:
+        mails = [EmailMessage(subject=out.subject, body=out.body.decode(), to=out.recipients)]
+    if not mails:
+        return  # a reset for an address with no account: nothing to send
     if settings.EMAIL_BACKEND == "django.core.mail.backends.smtp.EmailBackend":
         backend: Any = BoundedEmailBackend(deadline=deadline)
     else:  # another backend that settings name (tests: Django's in-memory one)
         backend = get_connection(timeout=timeout_seconds())
-    mail = EmailMessage(
-        subject=out.subject, body=out.body.decode(), to=out.recipients, connection=backend
-    )
-    mail.send()
+    backend.send_messages(mails)
 
 
 async def attempt(out: Outgoing, client: httpx.AsyncClient) -> tuple[bool, int | None, str | None]:

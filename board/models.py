@@ -477,7 +477,8 @@ class Webhook(models.Model):
 
 
 class Delivery(models.Model):
-    """One event to send through one webhook (or by email), delivered at least once.
+    """One event to send through one webhook (or by email), or one password reset email
+    (``recipient``, through the email row), delivered at least once.
 
     Claimed by the server processes like a task (board.deliveries): FOR UPDATE SKIP LOCKED,
     then a lease (``leased_until`` and ``lease_token``) that a killed process leaves to run
@@ -489,8 +490,13 @@ class Delivery(models.Model):
     id = models.BigAutoField(primary_key=True)
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
     # No foreign keys to the task or the event: the event log may be archived (issue 12).
-    event_id = models.BigIntegerField()
-    task_id = models.BigIntegerField()
+    # Both null for a password reset email.
+    event_id = models.BigIntegerField(null=True, blank=True)
+    task_id = models.BigIntegerField(null=True, blank=True)
+    # A password reset email: the address that was given. Its accounts are looked up, and
+    # their links made, when it is sent, so that the request that asked did the same work
+    # whether or not the address has an account (board.deliveries).
+    recipient = models.EmailField(max_length=254, null=True, blank=True)  # noqa: DJ001
     status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default="pending")
     attempts = models.IntegerField(default=0)
     next_attempt_at = models.DateTimeField(null=True, blank=True)
@@ -507,6 +513,13 @@ class Delivery(models.Model):
         verbose_name_plural = "deliveries"
         constraints = [
             models.UniqueConstraint(fields=["webhook", "event_id"], name="deliveries_once"),
+            models.CheckConstraint(
+                condition=(
+                    models.Q(event_id__isnull=False, task_id__isnull=False, recipient__isnull=True)
+                    | models.Q(event_id__isnull=True, task_id__isnull=True, recipient__isnull=False)
+                ),
+                name="deliveries_of_an_event_or_a_reset",
+            ),
         ]
         indexes = [
             # The claim and the dispatcher's next wake-up read only pending rows, in due order.
@@ -518,6 +531,8 @@ class Delivery(models.Model):
         ]
 
     def __str__(self) -> str:
+        if self.recipient is not None:
+            return f"password reset to {self.recipient}"
         return f"event {self.event_id} to {self.webhook}"
 
 

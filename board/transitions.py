@@ -705,6 +705,15 @@ def set_email_channel(*, active: bool) -> Webhook:
     return _instance(Webhook, _WEBHOOK_FIELDS, _rows("set_email_channel", {"active": active})[0])
 
 
+def queue_password_reset(*, address: str) -> None:
+    """Queue a password reset email to ``address`` (board.deliveries sends it, to each
+    account of that address, if any), and turn the email channel on first if no server
+    process has yet (the form is served only when EMAIL_URL is set)."""
+    if not _rows("queue_password_reset", {"address": address}):
+        set_email_channel(active=True)
+        _rows("queue_password_reset", {"address": address})
+
+
 def claim_deliveries(*, limit: int, lease_seconds: float) -> list[Delivery]:
     """Lease up to ``limit`` due deliveries to the caller (SKIP LOCKED), counting an attempt."""
     rows = _rows("claim_deliveries", {"limit": limit, "lease_seconds": lease_seconds})

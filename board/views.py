@@ -22,7 +22,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.forms import PasswordResetForm
 from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 from django.db.models import Count, QuerySet
@@ -364,3 +366,16 @@ def pause_queue(request: HttpRequest, name: str) -> HttpResponse:
 def resume_queue(request: HttpRequest, name: str) -> HttpResponse:
     """Resume a paused queue."""
     return _set_paused(request, name, paused=False)
+
+
+class PasswordResetView(auth_views.PasswordResetView):
+    """Django's password reset form, whose email is queued (board.deliveries sends it, at
+    least once, within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS a try) rather than sent in the
+    request: an SMTP server that never answers holds no request, and the answer does the
+    same work, in the same time, whether or not the address has an account. Routed only
+    when EMAIL_URL is set (taskboard.urls); each POST counts against the client's address
+    as a failed login does (access.throttle)."""
+
+    def form_valid(self, form: PasswordResetForm) -> HttpResponse:
+        transitions.queue_password_reset(address=form.cleaned_data["email"])
+        return HttpResponseRedirect(self.get_success_url())

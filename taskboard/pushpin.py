@@ -42,9 +42,22 @@ class PushpinUnavailable(RuntimeError):
     """Pushpin is not installed, or could not start."""
 
 
-def render(directory: Path, *, http_port: int, origin: str, port_offset: int, sig_key: str) -> Path:
+def render(
+    directory: Path,
+    *,
+    http_port: int,
+    origin: str,
+    port_offset: int,
+    sig_key: str,
+    proxies_in_front: bool = False,
+) -> Path:
     """Write ``pushpin.conf`` and ``routes`` for one board into ``directory``; return the
-    configuration's path."""
+    configuration's path.
+
+    Pushpin appends its client's address to X-Forwarded-For, and the board believes that
+    header from Pushpin (127.0.0.1). Without ``proxies_in_front`` it first drops what the
+    client sent: else a client on the board's own host, itself at 127.0.0.1, could name
+    any address there."""
     for sub in ("run", "log"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     values = {
@@ -54,6 +67,7 @@ def render(directory: Path, *, http_port: int, origin: str, port_offset: int, si
         "port_offset": str(port_offset),
         "sig_key": sig_key,
         "origin": origin,
+        "x_forwarded_for": "append" if proxies_in_front else "truncate:0,append",
     }
     for name in ("pushpin.conf", "routes"):
         text = (TEMPLATES / name).read_text()
@@ -85,7 +99,9 @@ class Pushpin:
     """One Pushpin (its runner starts condure, zurl, the proxy and the handler), started
     again when it dies, stopped with :meth:`stop`."""
 
-    def __init__(self, directory: Path, *, http_port: int, origin: str) -> None:
+    def __init__(
+        self, directory: Path, *, http_port: int, origin: str, proxies_in_front: bool = False
+    ) -> None:
         executable = shutil.which("pushpin")
         if executable is None:
             raise PushpinUnavailable("pushpin is not installed (Debian: apt-get install pushpin)")
@@ -93,6 +109,7 @@ class Pushpin:
         self.directory = directory
         self.http_port = http_port
         self.origin = origin
+        self.proxies_in_front = proxies_in_front
         # Chosen once: the server processes publish to this port and check this key
         # (grip_url), across restarts of Pushpin.
         self.port_offset = free_port_offset()
@@ -146,6 +163,7 @@ class Pushpin:
             origin=self.origin,
             port_offset=self.port_offset,
             sig_key=self.sig_key,
+            proxies_in_front=self.proxies_in_front,
         )
         with (self.directory / "log" / "pushpin.out").open("ab") as out:
             self.process = subprocess.Popen(

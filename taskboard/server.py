@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 import uvicorn.protocols.http.httptools_impl
@@ -45,27 +46,104 @@ EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol (httptools, as uvicorn picks by default), whose answer
-    to a request it cannot parse (a control character in a header, say) is the API's JSON
-    error, as every other error body is, rather than uvicorn's plain text: uvicorn has no
-    setting for that body."""
+    """uvicorn's HTTP/1.1 protocol (httptools, as uvicorn picks by default), with two
+    changes uvicorn has no setting for:
+
+    - Its answer to a request it cannot parse (a control character in a header, say) is
+      the API's JSON error, as every other error body is, rather than uvicorn's plain text.
+    - A connection must send a request's complete headers within ``header_timeout``
+      seconds (:class:`Config`), counted from when it opens, and for a later request on
+      the same connection from that request's first byte (the gap before it is
+      uvicorn's ``timeout_keep_alive``); past it the connection is closed. uvicorn
+      bounds only the idle time between requests, so a connection that never sent
+      anything, or sent a header line now and then, was held open for good, each one a
+      socket and a parser. Once the headers are in, nothing here limits the request:
+      its body has its own deadline (board.middleware), and a response may last as long
+      as it likes (a stream).
+    """
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout = float(getattr(config, "header_timeout", DEFAULT_HEADER_TIMEOUT))
+        self.header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_deadline()  # a later request: the connection's own is spent
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def _arm_header_deadline(self) -> None:
+        if self.header_deadline is None:
+            self.header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm_header_deadline(self) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+            self.header_deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self.header_deadline = None
+        if self.transport.is_closing():
+            return
+        # A 408 only where a request was begun and no response is being written: a
+        # connection that sent nothing gets no unasked-for answer (some clients take one
+        # for the answer to their next request), and a response in progress is not
+        # interleaved with another.
+        begun = self.headers is not None and (self.cycle is None or self.cycle.response_complete)
+        if begun:
+            body = json.dumps(
+                {
+                    "error": "request_timeout",
+                    "detail": f"The request's headers did not arrive within "
+                    f"{self.header_timeout:g} seconds.",
+                }
+            ).encode()
+            self.transport.write(_plain_response(self, 408, "Request Timeout", body))
+        self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps({"error": "invalid", "detail": msg}).encode()
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [
-            b"content-type: application/json\r\n",
-            b"content-length: " + str(len(body)).encode() + b"\r\n",
-            b"connection: close\r\n\r\n",
-        ]
-        self.transport.write(b"".join([*head, body]))
+        self.transport.write(_plain_response(self, 400, "Bad Request", body))
         self.transport.close()
 
 
+def _plain_response(protocol: HttpToolsProtocol, status: int, reason: str, body: bytes) -> bytes:
+    """Return a whole response with a JSON ``body`` that closes the connection, written
+    by the protocol itself (no application is involved)."""
+    head = [f"HTTP/1.1 {status} {reason}\r\n".encode()]
+    for name, value in protocol.server_state.default_headers:
+        head += [name, b": ", value, b"\r\n"]
+    head += [
+        b"content-type: application/json\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"connection: close\r\n\r\n",
+    ]
+    return b"".join([*head, body])
+
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+
+
 class Config(uvicorn.Config):
-    """uvicorn's configuration, plus the preparation of each server process."""
+    """uvicorn's configuration, plus the preparation of each server process, and
+    ``header_timeout`` (:class:`HttpToolsProtocol`)."""
+
+    def __init__(
+        self, *args: Any, header_timeout: float = DEFAULT_HEADER_TIMEOUT, **kwargs: Any
+    ) -> None:
+        self.header_timeout = header_timeout
+        super().__init__(*args, **kwargs)
 
     def configure_logging(self) -> None:
         # uvicorn calls this first in every process that serves, before it takes over the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
@@ -169,9 +170,9 @@ if TASKBOARD_HTTPS:
     CSRF_COOKIE_SECURE = True
     # Browsers use HTTPS only for this host from their first visit on, for a year.
     SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
-    # The proxy says whether the client's request came over TLS. Trust it only behind a
-    # proxy that sets (or strips) this header on every request.
-    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Whether the client's request came over TLS is the request's scheme, which uvicorn
+    # takes from X-Forwarded-Proto only when the peer is in FORWARDED_ALLOW_IPS (no
+    # SECURE_PROXY_SSL_HEADER: Django would believe that header from any peer).
     MIDDLEWARE.insert(
         MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
         "csp.middleware.CSPMiddleware",
@@ -364,6 +365,26 @@ TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4, minimum=1)
 # Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
 TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
 
+# Seconds a connection has to send a request's complete headers, from when it opens (or,
+# between requests, from the request's first byte); past it the connection is closed
+# (taskboard.server.HttpToolsProtocol). An open response (a stream) is never cut by it.
+TASKBOARD_HEADER_TIMEOUT = env_int("TASKBOARD_HEADER_TIMEOUT", 10, minimum=1, maximum=3600)
+
+# The proxies whose X-Forwarded-For and X-Forwarded-Proto are believed: addresses or
+# networks (10.0.0.0/8), comma-separated, or * (every peer). Empty by default: a client on
+# the server's own host is no proxy. `serve --pushpin` adds the address its own Pushpin
+# connects from (taskboard.management.commands.serve).
+FORWARDED_ALLOW_IPS = env_list("FORWARDED_ALLOW_IPS", "")
+for _proxy in FORWARDED_ALLOW_IPS:
+    try:
+        if _proxy != "*":
+            ipaddress.ip_network(_proxy)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"FORWARDED_ALLOW_IPS must be IP addresses or networks, comma-separated (or *), "
+            f"not {_proxy!r}"
+        ) from None
+
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
 TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 
@@ -428,8 +449,14 @@ TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int(
 # EMAIL_URL (smtp://user:password@host:587/?tls=True, parsed by dj-email-url): when set,
 # every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
 # user with an email).
+# When EMAIL_URL is set, the password reset pages are served too, their emails delivered
+# as the escalations' are (board.views.PasswordResetView); unset, there are none.
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
 EMAIL_URL = os.environ.get("EMAIL_URL", "")
+# Seconds each SMTP read or write may wait, for any email sent through Django (Django's
+# default is none: forever). board.deliveries bounds its whole session more tightly.
+# EMAIL_URL's ?timeout= wins.
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
 if EMAIL_URL:
     # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
     _email = env_url("EMAIL_URL", dj_email_url.parse)
@@ -441,6 +468,8 @@ if EMAIL_URL:
             "EMAIL_URL is not a URL it can use: give smtp://host:port (or submission://, "
             "console:, dummy:)"
         )
+    if _email.get("EMAIL_TIMEOUT") is None:
+        _email.pop("EMAIL_TIMEOUT", None)
     vars().update(_email)
 TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
 for _address in TASKBOARD_ESCALATION_EMAILS:

@@ -1,12 +1,34 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
+from django.contrib.auth import urls as auth_urls
 from django.templatetags.static import static
-from django.urls import include, path
+from django.urls import URLPattern, URLResolver, include, path
 from django.views.generic import RedirectView
 
 from board.health import healthz
 from board.metrics import MetricsView
+from board.views import PasswordResetView
+
+PASSWORD_RESET_PAGES = {
+    "password_reset",
+    "password_reset_done",
+    "password_reset_confirm",
+    "password_reset_complete",
+}
+
+
+def account_urls() -> list[URLPattern | URLResolver]:
+    """Return Django's login, logout and password change pages, and its password reset
+    pages only when EMAIL_URL is set: with no way to send the email, a reset form would
+    only tell anyone who asks which addresses have accounts. The form is the board's,
+    which queues the email (board.views.PasswordResetView)."""
+    pages = [p for p in auth_urls.urlpatterns if getattr(p, "name", None) != "password_reset"]
+    if not settings.EMAIL_URL:
+        return [p for p in pages if getattr(p, "name", None) not in PASSWORD_RESET_PAGES]
+    return [path("password_reset/", PasswordResetView.as_view(), name="password_reset"), *pages]
+
 
 urlpatterns = [
     path("api/v1/", include("board.api.urls")),
@@ -16,7 +38,7 @@ urlpatterns = [
     # asks the old way: the API's JSON in a browser tab, its docs page.
     path("favicon.ico", RedirectView.as_view(url=static("board/favicon.svg"), permanent=True)),
     path("admin/", admin.site.urls),
-    path("accounts/", include("django.contrib.auth.urls")),
+    path("accounts/", include(account_urls())),
     path("", include("board.urls")),
 ]
 

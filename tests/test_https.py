@@ -1,9 +1,9 @@
 """TASKBOARD_HTTPS=true: Secure cookies, HSTS, the proxy's X-Forwarded-Proto and a
 Content-Security-Policy, on the responses of a real ``serve`` (issue 8, defect 8).
 
-The server runs as a process of its own, since the setting is read at start-up. It trusts
-no proxy address of its own (FORWARDED_ALLOW_IPS), as behind a proxy on another host:
-whether a request came over TLS is then Django's decision, through SECURE_PROXY_SSL_HEADER.
+The server runs as a process of its own, since the setting is read at start-up. The tests
+play the proxy, from 127.0.0.1, named in FORWARDED_ALLOW_IPS: uvicorn believes its
+X-Forwarded-Proto, and from no other peer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def https_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     """A ``serve`` with TASKBOARD_HTTPS=true, and the first run's admin password."""
     data_dir = tmp_path_factory.mktemp("https") / "data"
     serve = ServeProcess.on_data_dir(
-        data_dir, env={"TASKBOARD_HTTPS": "true", "FORWARDED_ALLOW_IPS": "192.0.2.1"}
+        data_dir, env={"TASKBOARD_HTTPS": "true", "FORWARDED_ALLOW_IPS": "127.0.0.1"}
     )
     password = re.search(r"admin\s+password (\S+)", serve.output)
     assert password, serve.output
@@ -80,6 +80,34 @@ def test_hsts_is_sent_only_when_the_proxy_says_the_request_came_over_tls(
     plain = httpx.get(f"{serve.url}/accounts/login/")
     assert "strict-transport-security" not in plain.headers
     assert "content-security-policy" in plain.headers
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_x_forwarded_proto_from_a_peer_that_is_not_a_named_proxy_is_not_believed(
+    tmp_path: Path,
+) -> None:
+    from tests.processes import tests_database_url
+
+    for proxies in ("", "192.0.2.1"):
+        serve = ServeProcess(
+            tmp_path / f"serve-{proxies}.log",
+            "--workers",
+            "1",
+            env={
+                "DATABASE_URL": tests_database_url(),
+                "TASKBOARD_HTTPS": "true",
+                "FORWARDED_ALLOW_IPS": proxies,
+            },
+        )
+        try:
+            serve.wait_healthy()
+            claimed = httpx.get(f"{serve.url}/accounts/login/", headers=HTTPS)
+        finally:
+            serve.stop()
+        assert claimed.status_code == 200
+        assert "strict-transport-security" not in claimed.headers, proxies
+        assert "content-security-policy" in claimed.headers
 
 
 @pytest.mark.django_db

@@ -678,6 +678,12 @@ class DeliverySerializer(serializers.ModelSerializer[Delivery]):
             "delivered_at",
             "created_at",
         ]
+        # Never null here: a webhook's deliveries are all of events (the password reset
+        # emails, which have none, go through the email row, which the API does not serve).
+        extra_kwargs = {
+            "event_id": {"allow_null": False, "required": True},
+            "task_id": {"allow_null": False, "required": True},
+        }
 
 
 class WebhookPageSerializer(serializers.Serializer[Any]):

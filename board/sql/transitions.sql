@@ -616,6 +616,21 @@ WITH channel AS (
 )
 SELECT * FROM channel;
 
+-- name: queue_password_reset
+-- Queue a password reset email to %(address)s, through the email row while it is active
+-- (EMAIL_URL set), and wake the dispatchers. Whether the address has an account is
+-- looked up only when it is sent: this statement is the same for every address.
+WITH made AS (
+    INSERT INTO webhook_deliveries (
+        webhook_id, recipient, status, attempts, next_attempt_at, armed_at, created_at
+    )
+    SELECT w.id, %(address)s, 'pending', 0, now(), now(), now()
+    FROM webhooks w
+    WHERE w.kind = 'email' AND w.active
+    RETURNING id
+)
+SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM made;
+
 -- name: claim_deliveries
 -- Lease up to %(limit)s due deliveries to this process, oldest due first.
 --

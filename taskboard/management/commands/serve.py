@@ -120,7 +120,12 @@ class Command(BaseCommand):
             try:
                 origin = f"{host}:{port}"
                 directory = settings.DATA_DIR / "pushpin"
-                edge = pushpin.Pushpin(directory, http_port=options["port"], origin=origin)
+                edge = pushpin.Pushpin(
+                    directory,
+                    http_port=options["port"],
+                    origin=origin,
+                    proxies_in_front=bool(settings.FORWARDED_ALLOW_IPS),
+                )
                 edge.start().wait_ready()
                 # Streams are held in Pushpin, and events published to it (board.grip):
                 # in this process, and in the workers started from it.
@@ -146,6 +151,7 @@ class Command(BaseCommand):
             )
         )
         self.stdout.flush()
+        proxies = trusted_proxies(pushpin=edge is not None)
         config = server.Config(
             "taskboard.asgi:application",
             host=host,
@@ -155,9 +161,11 @@ class Command(BaseCommand):
             # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
             log_level=(os.environ.get("LOG_LEVEL") or "info").lower(),
-            proxy_headers=True,
+            proxy_headers=bool(proxies),
+            forwarded_allow_ips=proxies,
             server_header=False,
             http=server.HttpToolsProtocol,
+            header_timeout=settings.TASKBOARD_HEADER_TIMEOUT,
         )
         try:
             server.run(config, listener)
@@ -183,6 +191,16 @@ class Command(BaseCommand):
         )
         self.stdout.write(f"  admin       password {password}")
         self.stdout.write(f"  demo-agent  token    {token.key}")
+
+
+def trusted_proxies(*, pushpin: bool) -> list[str]:
+    """Return the peers whose X-Forwarded-For and X-Forwarded-Proto uvicorn believes:
+    FORWARDED_ALLOW_IPS, and behind ``--pushpin`` the loopback address that its own
+    Pushpin connects from (the server processes then listen on 127.0.0.1 only)."""
+    proxies = list(settings.FORWARDED_ALLOW_IPS)
+    if pushpin and "127.0.0.1" not in proxies:
+        proxies.append("127.0.0.1")
+    return proxies
 
 
 def usable_cpus() -> int:
