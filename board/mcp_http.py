@@ -465,11 +465,8 @@ class MCPApplication:
             )
             return None
         if authorized is None:
-            response = error_response(
-                401, "not_authenticated", "Send 'Authorization: Bearer <token>' (an API token)."
-            )
-            response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
-            await send_response(send, response)
+            presented = keyword.lower() in {"bearer", "token"} and bool(token)
+            await _unauthorized(send, refused=presented)
             return None
         # DRF's token authentication (board.stream.authorize) has cached the lookup.
         return principal, token
@@ -493,6 +490,37 @@ async def _jsonrpc_error(
     for name, value in (headers or {}).items():
         response[name] = value
     await send_response(send, response)
+
+
+async def _unauthorized(send: Any, *, refused: bool) -> None:
+    """Answer 401 as a server that takes only Bearer tokens: RFC 6750's challenge, with
+    ``error="invalid_token"`` when a token was sent and refused, and no
+    ``resource_metadata`` (there is no OAuth here to discover), so that an MCP client
+    reports the refusal instead of starting an OAuth flow; the body is a JSON-RPC error,
+    which the SDK's client passes on to its caller as it is."""
+    if refused:
+        message = (
+            "invalid token: the Bearer token was refused (unknown, revoked or replaced). "
+            "Send 'Authorization: Bearer <token>' with the agent's API token (create_agent "
+            "prints it); this server has no OAuth."
+        )
+        challenge = (
+            'Bearer realm="taskboard", error="invalid_token", '
+            'error_description="The access token is unknown, revoked or replaced"'
+        )
+    else:
+        message = (
+            "not authenticated: send 'Authorization: Bearer <token>' with the agent's API "
+            "token (create_agent prints it); this server has no OAuth."
+        )
+        challenge = 'Bearer realm="taskboard"'
+    await _jsonrpc_error(
+        send,
+        401,
+        message,
+        data={"error": "invalid_token" if refused else "not_authenticated"},
+        headers={"WWW-Authenticate": challenge},
+    )
 
 
 def _capture_session(send: Any, sessions: Sessions, owner: str) -> Any:

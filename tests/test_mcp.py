@@ -471,12 +471,49 @@ def test_http_refuses_a_request_without_a_valid_bearer_token(
     ):
         response = httpx.post(f"{server.url}/mcp/", json=INITIALIZE, headers={**ACCEPT, **headers})
         assert response.status_code == 401, headers
-        assert response.json()["error"] == "not_authenticated"
-        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        error = response.json()["error"]
+        challenge = response.headers["WWW-Authenticate"]
+        assert challenge.startswith("Bearer")
+        # No OAuth here: nothing for a client to discover.
+        assert "resource_metadata" not in challenge
+        if "not-a-token" in str(headers):
+            assert error["data"]["error"] == "invalid_token"
+            assert "invalid token" in error["message"]
+            assert 'error="invalid_token"' in challenge and "error_description=" in challenge
+        else:
+            assert error["data"]["error"] == "not_authenticated"
+            assert "error=" not in challenge  # RFC 6750: no error code without a token
     opened = httpx.post(
         f"{server.url}/mcp", json=INITIALIZE, headers={**ACCEPT, "Authorization": f"Bearer {token}"}
     )
     assert opened.status_code == 200 and opened.headers["mcp-session-id"]
+
+
+def test_http_a_wrong_token_is_a_clear_error_from_the_sdks_client_not_an_oauth_flow(
+    server: LiveServer,
+) -> None:
+    from mcp.shared.exceptions import MCPError
+
+    async def test() -> None:
+        headers = {"Authorization": "Bearer not-a-token"}
+        # The SDK's task groups may wrap it in an exception group.
+        refused = pytest.RaisesExc(MCPError, match="invalid token")
+        with pytest.RaisesGroup(refused, allow_unwrapped=True, flatten_subgroups=True):
+            async with (
+                create_mcp_http_client(headers=headers) as http,
+                streamable_http_client(f"{server.url}/mcp/", http_client=http) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                await session.initialize()
+
+    run(test)
+    # Nor is there OAuth metadata to discover.
+    for path in (
+        "/.well-known/oauth-protected-resource/mcp/",
+        "/.well-known/oauth-protected-resource",
+        "/.well-known/oauth-authorization-server",
+    ):
+        assert httpx.get(f"{server.url}{path}").status_code == 404, path
 
 
 def test_http_a_session_belongs_to_the_token_that_opened_it(server: LiveServer, token: str) -> None:
