@@ -15,11 +15,14 @@ what is here is what the board adds around it:
   this server's HTTP application on its event loop (:class:`InProcess`), so the tools
   answer with exactly the API's validation and error codes, and use the API's worker
   threads and database connections, as stdio's ``taskboard mcp`` does over the network.
-- **Leases live as long as the session.** A session's claims are heartbeated by
-  :class:`~taskboard.mcp_server.Session`. The heartbeats stop when the session ends: the
-  client deletes it (``DELETE /mcp/``), it is idle for TASKBOARD_MCP_SESSION_IDLE_SECONDS
-  (no request in flight and no open stream; the SDK's client keeps a stream open while it
-  lives), or this server stops. Its leases then run out as usual.
+- **Leases live while the session's client is there.** A session's claims are heartbeated
+  by :class:`~taskboard.mcp_server.Session` while the session has a request in flight or
+  an open stream (the SDK's client keeps one open while it lives); AWAY_AFTER seconds
+  without either pause the heartbeats until its next request, so that a killed client's
+  tasks run out within their lease, not the session's idle time. The heartbeats stop for
+  good when the session ends: the client deletes it (``DELETE /mcp/``), it is idle for
+  TASKBOARD_MCP_SESSION_IDLE_SECONDS, or this server stops. Its leases then run out as
+  usual.
 
 The SDK keeps no hook for a session's end that a tool can reach, so :class:`Sessions`
 follows each session from the HTTP requests that name it: a ``DELETE`` that succeeded or
@@ -76,6 +79,10 @@ logger = logging.getLogger(__name__)
 PATHS = frozenset({"/mcp", "/mcp/"})
 # Seconds our idle timer runs past the SDK's, so that the SDK ends a session first.
 IDLE_MARGIN = 2.0
+# Seconds a session may be without a request or an open stream before its client counts
+# as gone and its leases are no longer renewed: long enough for a stream to reconnect, or
+# for the gap between two requests of a client that keeps no stream open.
+AWAY_AFTER = 2.0
 # Open sessions per process, and per token (so that one agent cannot take them all).
 MAX_SESSIONS = 2000
 SESSIONS_PER_TOKEN = 50
@@ -146,6 +153,7 @@ class Tracked:
     session: Session | None = None
     in_flight: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    away_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class Sessions:
@@ -205,9 +213,9 @@ class Sessions:
         tracked = self._tracked.get(session_id)
         if tracked is not None:
             tracked.in_flight += 1
-            if tracked.timer is not None:
-                tracked.timer.cancel()
-                tracked.timer = None
+            _cancel(tracked)
+            if tracked.session is not None and not tracked.session.present:
+                self._attend(tracked.session, present=True)
         return tracked
 
     def finish(self, session_id: str, tracked: Tracked, *, gone: bool) -> None:
@@ -224,6 +232,21 @@ class Sessions:
     def _idle(self, session_id: str, tracked: Tracked) -> None:
         loop = asyncio.get_running_loop()
         tracked.timer = loop.call_later(self.idle_seconds + IDLE_MARGIN, self.end, session_id)
+        tracked.away_timer = loop.call_later(AWAY_AFTER, self._away, session_id)
+
+    def _away(self, session_id: str) -> None:
+        """The session's client has been gone for AWAY_AFTER: stop renewing its leases (its
+        next request renews them again, if they have not run out meanwhile). The session
+        itself is kept for the idle time, for a client that comes back."""
+        tracked = self._tracked.get(session_id)
+        if tracked is not None and tracked.in_flight == 0 and tracked.session is not None:
+            self._attend(tracked.session, present=False)
+
+    def _attend(self, session: Session, *, present: bool) -> None:
+        session.attend(present)
+        # In a thread: stopping a heartbeat may wait for its answer from this loop.
+        settling = asyncio.get_running_loop().run_in_executor(None, session.settle)
+        settling.add_done_callback(_log_failure)
 
     def end(self, session_id: str) -> None:
         """Forget ``session_id`` and stop its heartbeats (in a thread: they may be waiting
@@ -231,8 +254,7 @@ class Sessions:
         tracked = self._tracked.pop(session_id, None)
         if tracked is None:
             return
-        if tracked.timer is not None:
-            tracked.timer.cancel()
+        _cancel(tracked)
         if tracked.session is not None:
             logger.info("MCP session %s ended; its leases will run out", session_id[:8])
             closing = asyncio.get_running_loop().run_in_executor(None, tracked.session.close)
@@ -241,10 +263,16 @@ class Sessions:
     async def end_all(self) -> None:
         sessions = [t.session for t in self._tracked.values() if t.session is not None]
         for tracked in self._tracked.values():
-            if tracked.timer is not None:
-                tracked.timer.cancel()
+            _cancel(tracked)
         self._tracked.clear()
         await asyncio.gather(*(asyncio.to_thread(session.close) for session in sessions))
+
+
+def _cancel(tracked: Tracked) -> None:
+    for timer in (tracked.timer, tracked.away_timer):
+        if timer is not None:
+            timer.cancel()
+    tracked.timer = tracked.away_timer = None
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:

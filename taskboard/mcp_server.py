@@ -157,6 +157,33 @@ class Session:
         self._owns_client = owns_client
         self._claims = 0  # claims under way, for which the client stays open
         self._lock = threading.Lock()
+        # Whether the session's client is there (board.mcp_http says), and whether the
+        # heartbeats are paused for its absence; settle() makes the second follow the first.
+        self.present = True
+        self._paused = False
+        self._attending = threading.Lock()
+
+    def attend(self, present: bool) -> None:
+        """Say whether the session's client is there; :meth:`settle` acts on it."""
+        self.present = present
+
+    def settle(self) -> None:
+        """Pause the heartbeats while the client is away, and resume them once it is back:
+        a client that is gone for good (killed) leaves its tasks to run out within a lease,
+        as they would with no MCP in between, rather than for as long as its session is
+        kept. Blocks while heartbeats stop (never on the event loop that answers them)."""
+        with self._attending:
+            present = self.present
+            if present != self._paused:
+                return
+            with self._lock:
+                leases = list(self.leases.values())
+                self._paused = not present
+            for lease in leases:
+                if present:
+                    lease.resume()
+                else:
+                    lease.pause()
 
     @contextlib.contextmanager
     def claiming(self) -> Iterator[None]:
@@ -182,11 +209,17 @@ class Session:
             self.client.close()
 
     def hold(self, task: ClaimedTask) -> None:
+        self.settle()
         lease = self.client.lease(task)
         with self._lock:
-            if not self.closed:
+            kept = not self.closed
+            if kept:
                 self.leases[task.id] = lease
-                return
+            away = self._paused
+        if kept:
+            if away:  # the client left while its claim waited: as its other leases
+                lease.pause()
+            return
         # The session ended while the claim was on its way (its host gone mid-wait): nobody
         # will ever see this task, so give it back at once, without a strike, rather than
         # let its lease run out and count one against it.
@@ -198,6 +231,7 @@ class Session:
 
     def lease(self, task_id: int) -> Lease:
         """The live lease on ``task_id``, or a tool error that says it is not held."""
+        self.settle()
         with self._lock:
             lease = self.leases.get(task_id)
         if lease is None:

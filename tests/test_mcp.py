@@ -7,6 +7,7 @@ Bearer authentication and session idle timeouts."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from board.models import (
 )
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, live_server
-from tests.processes import ROOT, cli_env
+from tests.processes import ROOT, cli_env, eventually
 
 T = TypeVar("T")
 
@@ -569,12 +570,79 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
             assert time.monotonic() - gone < 10, "the task never came back"
             await anyio.sleep(0.2)
             claims = await db(lambda: transitions.claim(actor=other, queues=["llm"]))
-        # Idle (1 s, + 2 s margin), then the lease (2 s) ran out.
+        # Away (2 s) or idle (1 s, + 2 s margin), then the lease (2 s) ran out.
         assert time.monotonic() - gone > 3
         assert claims[0].task.pk == created["id"] and claims[0].task.progress == "p"
 
     with live_server() as server:
         run(lambda: test(server))
+
+
+# An MCP host over Streamable HTTP, in a process of its own: it claims a task (printing
+# its id) and keeps its session open, as a host does while its model works, until killed.
+HOLDING_CLIENT = """
+import sys
+import anyio
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+async def main(url: str, token: str) -> None:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        await session.call_tool("create_task", {"title": "killed", "queue": "llm"})
+        claimed = await session.call_tool("claim_task", {"queues": ["llm"], "lease_seconds": 3})
+        print(claimed.structured_content["result"]["id"], flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+def test_http_a_killed_clients_task_returns_within_its_lease_not_the_session_idle_time(
+    server: LiveServer, token: str, settings: Any
+) -> None:
+    from board.mcp_http import AWAY_AFTER
+
+    lease = 3
+    assert settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS == 120  # the default, far above
+    other = UserFactory(username="next-agent")
+    client = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_CLIENT, f"{server.url}/mcp/", token],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        task_id = int(client.stdout.readline())
+        # While the client lives, its session renews the lease past its first term.
+        eventually(
+            lambda: TaskEvent.objects.filter(task_id=task_id, type="heartbeat").count() >= 4,
+            timeout=10,
+            what="heartbeats for longer than the lease",
+        )
+        assert Task.objects.get(pk=task_id).leased_by_id == "llm-agent"
+    finally:
+        client.kill()
+        client.wait()
+    killed = time.monotonic()
+
+    def claimable() -> list[transitions.Claim]:
+        try:
+            return transitions.claim(actor=other, queues=["llm"])
+        finally:
+            connection.close()
+
+    claims = eventually(claimable, timeout=lease + AWAY_AFTER + 3, what="the task's return")
+    took = time.monotonic() - killed
+    assert claims[0].task.pk == task_id
+    print(f"the killed client's task came back after {took:.1f} s (lease {lease} s)")
 
 
 def test_http_the_sdks_client_in_auto_mode_falls_back_to_a_session(

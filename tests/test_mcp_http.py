@@ -133,8 +133,11 @@ def test_another_tokens_request_for_a_session_leaves_its_leases_alone(
     assert httpx.get(url, headers=headers).status_code == 404
     assert httpx.delete(url, headers=headers).status_code == 404
 
-    time.sleep(3.5)  # past the lease: only the session's heartbeats keep it
-    _status, body = call(url, alice, session_id, "complete_task", task_id=task_id)
+    # Alice's client is there (its stream open, as the SDK's client keeps one).
+    with httpx.stream("GET", url, headers=stream_headers(alice, session_id), timeout=None) as s:
+        assert s.status_code == 200
+        time.sleep(3.5)  # past the lease: only the session's heartbeats keep it
+        _status, body = call(url, alice, session_id, "complete_task", task_id=task_id)
     assert not body["result"].get("isError"), body
     assert Task.objects.get(pk=task_id).status == "done"
 
