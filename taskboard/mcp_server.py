@@ -144,16 +144,39 @@ def _refusal(exc: TaskboardError) -> ToolError:
     return ToolError(f"{exc.code}: {exc.detail}")
 
 
+# What a session that does not hold a task says of it, when the task is held: over stdio,
+# where each process of ``taskboard mcp`` holds only what it claimed itself.
+NOT_HELD_HERE = (
+    "Each taskboard mcp process acts only on the tasks it claimed itself, while it runs: "
+    "a client that starts one for every call cannot finish a task it claimed (its lease "
+    "runs out, with a strike). Keep one MCP session from claim_task to the end, or use the "
+    "server's /mcp/, where a new session of the same token can act on the tasks its earlier "
+    "sessions claimed."
+)
+
+
 class Session:
     """The leases one MCP session holds, each kept alive by its own heartbeat thread.
 
-    ``owns_client``: :meth:`close` closes the client too.
+    ``owns_client``: :meth:`close` closes the client too. ``not_held``: what a refusal
+    says of a task held elsewhere. Over HTTP, board.mcp_http sets :attr:`take_over` and
+    :attr:`park`, so that the sessions of one token share their claims.
     """
 
-    def __init__(self, client: Client, *, owns_client: bool = False) -> None:
+    def __init__(
+        self, client: Client, *, owns_client: bool = False, not_held: str = NOT_HELD_HERE
+    ) -> None:
         self.client = client
         self.leases: dict[int, Lease] = {}
         self.closed = False
+        self.not_held = not_held
+        #: The claim on a task that another session of this token holds, or held and
+        #: ended with, taken from it (its heartbeats stopped); None when there is none.
+        self.take_over: Callable[[int], ClaimedTask | None] | None = None
+        #: Where :meth:`close` leaves the claims it still holds, for :attr:`take_over`.
+        self.park: Callable[[ClaimedTask], None] | None = None
+        # Tasks that another session of this token took over from this one.
+        self._taken: set[int] = set()
         self._owns_client = owns_client
         self._claims = 0  # claims under way, for which the client stays open
         self._lock = threading.Lock()
@@ -249,22 +272,78 @@ class Session:
         if lease is not None:
             lease.stop()
 
+    def give_up(self, task_id: int) -> ClaimedTask | None:
+        """Hand the claim on ``task_id`` to another session of this token: stop renewing
+        it here and return it (None when this session does not hold it live)."""
+        with self._lock:
+            lease = self.leases.pop(task_id, None)
+            if lease is None:
+                return None
+            self._taken.add(task_id)
+        lease.stop()
+        return None if lease.lost or lease.finished else lease.task
+
+    def _adopt(self, task_id: int) -> bool:
+        """Take over the claim on ``task_id`` from another session of this token, if one
+        holds it: renew it at once (which says whether it is still live) and keep it."""
+        task = self.take_over(task_id) if self.take_over is not None else None
+        if task is None:
+            return False
+        lease = Lease(self.client, task)
+        try:
+            lease.heartbeat()
+        except LeaseLost as exc:
+            raise _lost(task_id, exc.detail) from exc
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
+        lease.start()
+        with self._lock:
+            self.leases[task_id] = lease
+            self._taken.discard(task_id)
+            away = self._paused
+        if away:
+            lease.pause()
+        return True
+
     def held(self, task_id: int, unheld: Callable[[str], Any]) -> Lease:
-        """The live lease on ``task_id``; for a task this session does not hold, the API's
-        own refusal of ``unheld`` (the action, sent with a token that is nobody's):
-        ``not_found``, ``forbidden_queue`` or ``lease_lost``, as the REST API answers."""
+        """The live lease on ``task_id`` (taken over from another session of this token
+        if that one holds it); for a task held by nobody here, the API's own refusal of
+        ``unheld`` (the action, sent with a token that is nobody's): ``not_found``,
+        ``forbidden_queue`` or ``lease_lost``, as the REST API answers, with what the
+        ``lease_lost`` means here."""
         with self._lock:
             held = task_id in self.leases
-        if held:
+            taken = task_id in self._taken
+        if held or self._adopt(task_id):
             return self.lease(task_id)
+        if taken:
+            raise _lost(
+                task_id,
+                "Another MCP session of this token took it over (it acted on the task "
+                "after this session claimed it), and has finished it or let it go.",
+            )
         try:
             unheld(NOBODYS_TOKEN)
         except LeaseLost as exc:
-            detail = f"This session did not claim it, or has ended it. {exc.detail}"
-            raise _lost(task_id, detail) from exc
+            raise _lost(task_id, self._not_held(task_id, exc)) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
         return self.lease(task_id)  # never accepted; if it were, still not held here
+
+    def _not_held(self, task_id: int, refusal: LeaseLost) -> str:
+        """Why this session cannot act on ``task_id``, by the task's status: the API's
+        own words (a wrong token, ...) would blame the token this session sent for it."""
+        status = refusal.task_status
+        if status == "in_progress":
+            return (
+                f"This MCP session did not claim task {task_id}, and holds no lease on it: "
+                f"it is in progress, held elsewhere. {self.not_held}"
+            )
+        if status == "pending":
+            return f"Task {task_id} is pending: nobody holds it (claim it with claim_task)."
+        if status:
+            return f"Task {task_id} is {status.replace('_', ' ')}: nobody holds it."
+        return refusal.detail
 
     def end(
         self, task_id: int, action: Callable[[Lease], Task], unheld: Callable[[str], Any]
@@ -295,6 +374,8 @@ class Session:
             idle = self._claims == 0
         for lease in leases:
             lease.stop()
+            if self.park is not None and not (lease.lost or lease.finished):
+                self.park(lease.task)
         if idle:  # else the last claim under way closes it (claiming)
             self._close_client()
 

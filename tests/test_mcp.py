@@ -331,6 +331,10 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
                     refused = await session.call_tool(tool, {"task_id": task_id, **extra})
                     assert refused.is_error, (tool, task_id)
                     assert code in text_of(refused), (tool, text_of(refused))
+                    # Not the token's fault: the session sent none of its own.
+                    assert "wrong token" not in text_of(refused), text_of(refused)
+                    if task_id == held.pk:
+                        assert f"did not claim task {held.pk}" in text_of(refused)
                     assert text_of(refused).count("Stop working on it") <= 1, text_of(refused)
 
     run(test)
@@ -576,6 +580,71 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
 
     with live_server() as server:
         run(lambda: test(server))
+
+
+def test_http_a_client_that_opens_a_session_per_call_finishes_what_it_claimed(
+    server: LiveServer, token: str
+) -> None:
+    """As the MCP Inspector's CLI does: each call in a new session, which it then deletes
+    (the SDK's client) or just leaves (closing its connection)."""
+
+    @asynccontextmanager
+    async def one_call(*, delete: bool = True) -> AsyncIterator[ClientSession]:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(
+                f"{server.url}/mcp/", http_client=http, terminate_on_close=delete
+            ) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
+
+    async def test() -> list[int]:
+        ids = []
+        for delete in (True, False):
+            async with one_call() as session:
+                await call(session, "create_task", title=f"one-shot {delete}", queue="cli")
+            async with one_call(delete=delete) as session:
+                claimed = await call(session, "claim_task", queues=["cli"], lease_seconds=2)
+                ids.append(claimed["id"])
+        for task_id in ids:
+            async with one_call() as session:
+                progressed = await call(session, "report_progress", task_id=task_id, progress=1)
+                assert progressed["progress"] == 1
+            async with one_call() as session:
+                done = await call(session, "complete_task", task_id=task_id, result="ok")
+                assert done["status"] == "done"
+        return ids
+
+    ids = anyio.run(test)
+
+    for task_id in ids:
+        task = Task.objects.get(pk=task_id)
+        assert task.status == "done" and task.failure_count == 0
+        assert not TaskEvent.objects.filter(task_id=task_id, type="expired").exists()
+
+
+def test_http_a_session_whose_task_another_session_took_over_is_told_so(
+    server: LiveServer, token: str
+) -> None:
+    async def test() -> None:
+        async with mcp_session(server, token, "http") as first:
+            await first.initialize()
+            created = await call(first, "create_task", title="shared", queue="llm")
+            await call(first, "claim_task", queues=["llm"])
+            async with mcp_session(server, token, "http") as second:
+                await second.initialize()
+                done = await call(second, "complete_task", task_id=created["id"])
+                assert done["status"] == "done"
+                refused = await first.call_tool("complete_task", {"task_id": created["id"]})
+                assert refused.is_error
+                text = text_of(refused)
+                assert "lease_lost: " in text and "Another MCP session of this token" in text
+                assert "wrong token" not in text, text
+
+    run(test)
 
 
 # An MCP host over Streamable HTTP, in a process of its own: it claims a task (printing

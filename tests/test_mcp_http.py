@@ -305,6 +305,32 @@ def test_a_session_of_a_process_that_is_gone_is_404_once_authenticated(
         assert stranger.status_code == 401
 
 
+def test_a_new_session_in_another_process_finishes_what_its_tokens_sessions_claimed(
+    two_processes: tuple[LiveServer, LiveServer, Path],
+) -> None:
+    """A client that opens a new session for every call, under ``serve --workers N``: its
+    next session may open in another process than the one that holds its claim."""
+    a, b, _directory = two_processes
+    alice = token_of("alice")
+    # One session left open (its client gone without a word), one deleted.
+    _left, kept = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=3)
+    deleted, parked = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=3)
+    headers = {"Authorization": f"Bearer {alice}", "Mcp-Session-Id": deleted}
+    assert httpx.delete(f"{a.url}/mcp/", headers=headers).status_code < 300
+
+    for task_id in (kept, parked):
+        url = f"{b.url}/mcp/"
+        _status, body = call(
+            url, alice, open_session(url, alice), "report_progress", task_id=task_id, progress=1
+        )
+        assert not body["result"].get("isError"), body
+        _status, body = call(url, alice, open_session(url, alice), "complete_task", task_id=task_id)
+        assert not body["result"].get("isError"), body
+    for task in Task.objects.filter(pk__in=[kept, parked]):
+        assert task.status == "done" and task.failure_count == 0 and task.progress == 1
+    assert not TaskEvent.objects.filter(task_id__in=[kept, parked], type="expired").exists()
+
+
 def test_a_forwarded_requests_client_address_cannot_be_forged(
     two_processes: tuple[LiveServer, LiveServer, Path], settings: Any
 ) -> None:
