@@ -23,6 +23,11 @@ what is here is what the board adds around it:
   good when the session ends: the client deletes it (``DELETE /mcp/``), it is idle for
   TASKBOARD_MCP_SESSION_IDLE_SECONDS, or this server stops. Its leases then run out as
   usual.
+- **A token's sessions share its claims.** A tool call on a task that another session of
+  the same token holds, or ended with while its lease lasts (a client that opens a new
+  session for every call), takes the claim over (:meth:`Sessions.take_over`, in another
+  process of this server through board.mcp_workers); the session it came from then
+  answers ``lease_lost`` saying so.
 
 The SDK keeps no hook for a session's end that a tool can reach, so :class:`Sessions`
 follows each session from the HTTP requests that name it: a ``DELETE`` that succeeded or

@@ -10,6 +10,10 @@ own validation and error codes. ``taskboard mcp`` runs on the agent's machine, a
 of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends
 the same calls to its own process's API, as the agent of the session's Bearer token.
 
+A client that starts ``taskboard mcp`` for every call (the MCP Inspector's CLI does) still
+finishes what it claims: the processes of one token and board share their claims through a
+:class:`ClaimFile`. Over HTTP the sessions of one token share theirs (board.mcp_http).
+
 Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
 here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
 background every third of the lease until the model completes, fails, releases or
@@ -27,12 +31,15 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import json
 import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import fields
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -53,6 +60,8 @@ from taskboard.client import (
 )
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # The API's bounds (board.conf, board.models; tests/test_mcp.py checks that they agree), in
 # the tools' input schemas, so that a model sees them and the SDK refuses what is outside.
@@ -145,14 +154,106 @@ def _refusal(exc: TaskboardError) -> ToolError:
 
 
 # What a session that does not hold a task says of it, when the task is held: over stdio,
-# where each process of ``taskboard mcp`` holds only what it claimed itself.
+# where the processes of ``taskboard mcp`` share their claims through a ClaimFile.
 NOT_HELD_HERE = (
-    "Each taskboard mcp process acts only on the tasks it claimed itself, while it runs: "
-    "a client that starts one for every call cannot finish a task it claimed (its lease "
-    "runs out, with a strike). Keep one MCP session from claim_task to the end, or use the "
-    "server's /mcp/, where a new session of the same token can act on the tasks its earlier "
-    "sessions claimed."
+    "A taskboard mcp process acts on the tasks that it, or an earlier process with the same "
+    "token and board on this machine, claimed, while their leases last; this one is held by "
+    "another agent, by another client of this token, or was claimed on another machine."
 )
+# Claims a ClaimFile keeps at most (those of processes that were killed are never removed
+# by them).
+MAX_FILED_CLAIMS = 1000
+
+
+class ClaimFile:
+    """The claims of one token on one board, shared by the ``taskboard mcp`` processes of
+    this machine, so that a client that starts one for every call (the MCP Inspector's CLI
+    does) finishes in one process what it claimed in another.
+
+    A JSON file, readable by its user only (it holds lease tokens), under
+    ``$XDG_STATE_HOME/taskboard`` (default ``~/.local/state/taskboard``), named by a
+    digest of the board's URL and the token; each change is made under an exclusive lock.
+    A process files each claim as it gets it and removes it once it has finished or lost
+    it; a process that acts on a task it does not hold takes its claim from the file.
+    """
+
+    def __init__(self, url: str, token: str, directory: Path | None = None) -> None:
+        if directory is None:
+            state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+            directory = Path(state) / "taskboard"
+        name = hashlib.sha256(f"{url.rstrip('/')}\n{token}".encode()).hexdigest()[:32]
+        self.path = directory / f"mcp-claims-{name}.json"
+
+    @contextlib.contextmanager
+    def _claims(self) -> Iterator[dict[str, Any]]:
+        """The filed claims by task id, to read and change; written back on leaving."""
+        import fcntl  # POSIX only: elsewhere (ImportError) each process keeps its own
+
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+", encoding="utf-8") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            try:
+                claims = json.loads(file.read() or "{}")
+            except ValueError:
+                claims = {}  # torn by a crash mid-write: the claims in it run out
+            if not isinstance(claims, dict):
+                claims = {}
+            before = json.dumps(claims, sort_keys=True)
+            yield claims
+            for extra in list(claims)[: max(0, len(claims) - MAX_FILED_CLAIMS)]:
+                del claims[extra]  # the oldest first: dicts keep their order
+            if json.dumps(claims, sort_keys=True) != before:
+                file.seek(0)
+                file.truncate()
+                file.write(json.dumps(claims))
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, Any]]:
+        """:meth:`_claims`, or an empty dict when the file cannot be used (a read-only
+        home): the tools work on, each process with its own claims."""
+        used = False
+        try:
+            with self._claims() as claims:
+                used = True
+                yield claims
+        except (OSError, ImportError) as exc:
+            logger.warning("mcp: cannot use %s: %s", self.path, exc)
+            if not used:
+                yield {}
+
+    def add(self, task: ClaimedTask) -> None:
+        with self._changing() as claims:
+            claims.pop(str(task.id), None)
+            claims[str(task.id)] = {
+                "task": task.raw,
+                "lease_seconds": task.lease_seconds,
+                "claimed_at": task.claimed_at,
+            }
+
+    def remove(self, task_id: int) -> None:
+        with self._changing() as claims:
+            claims.pop(str(task_id), None)
+
+    def take(self, task_id: int) -> ClaimedTask | None:
+        """The claim on ``task_id`` another process filed (it stays filed, for this one)."""
+        with self._changing() as claims:
+            filed = claims.get(str(task_id))
+        if not isinstance(filed, dict):
+            return None
+        try:
+            task = Task.from_json(filed["task"])
+            return ClaimedTask(
+                **{field.name: getattr(task, field.name) for field in fields(Task)},
+                lease_token=str(filed["task"]["lease_token"]),
+                lease_seconds=float(filed["lease_seconds"]),
+                # time.monotonic() of the claim, as the process that filed it saw it: one
+                # clock for every process of this machine, until it restarts (then the
+                # claims have run out anyway).
+                claimed_at=float(filed["claimed_at"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 class Session:
@@ -175,6 +276,8 @@ class Session:
         self.take_over: Callable[[int], ClaimedTask | None] | None = None
         #: Where :meth:`close` leaves the claims it still holds, for :attr:`take_over`.
         self.park: Callable[[ClaimedTask], None] | None = None
+        #: Over stdio: where each claim is filed while held, for the next process.
+        self.claim_file: ClaimFile | None = None
         # Tasks that another session of this token took over from this one.
         self._taken: set[int] = set()
         self._owns_client = owns_client
@@ -242,6 +345,8 @@ class Session:
         if kept:
             if away:  # the client left while its claim waited: as its other leases
                 lease.pause()
+            if self.claim_file is not None:
+                self.claim_file.add(task)
             return
         # The session ended while the claim was on its way (its host gone mid-wait): nobody
         # will ever see this task, so give it back at once, without a strike, rather than
@@ -271,6 +376,8 @@ class Session:
             lease = self.leases.pop(task_id, None)
         if lease is not None:
             lease.stop()
+        if self.claim_file is not None:
+            self.claim_file.remove(task_id)
 
     def give_up(self, task_id: int) -> ClaimedTask | None:
         """Hand the claim on ``task_id`` to another session of this token: stop renewing
@@ -293,6 +400,8 @@ class Session:
         try:
             lease.heartbeat()
         except LeaseLost as exc:
+            if self.claim_file is not None:
+                self.claim_file.remove(task_id)
             raise _lost(task_id, exc.detail) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
@@ -655,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with Client(args.url, args.token, **TOOL_CALL_LIMITS) as client:
         session = Session(client)
+        session.claim_file = ClaimFile(args.url, args.token)
+        session.take_over = session.claim_file.take
         try:
             build_server(lambda ctx: session).run()
         finally:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -66,10 +68,11 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @asynccontextmanager
 async def mcp_session(
-    server: LiveServer, token: str, transport: str = "stdio"
+    server: LiveServer, token: str, transport: str = "stdio", state: Path | None = None
 ) -> AsyncIterator[ClientSession]:
     """An MCP session of the agent of ``token``: over stdio, with ``taskboard mcp`` as the
-    host would start it, or over Streamable HTTP to the server's ``/mcp/``."""
+    host would start it (its claims filed under ``state``, by default a directory of its
+    own), or over Streamable HTTP to the server's ``/mcp/``."""
     if transport == "http":
         headers = {"Authorization": f"Bearer {token}"}
         async with (
@@ -79,14 +82,15 @@ async def mcp_session(
         ):
             yield session
         return
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "taskboard.cli", "mcp"],
-        env=cli_env(server, token),
-        cwd=ROOT,
-    )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        yield session
+    with tempfile.TemporaryDirectory(prefix="tb-mcp-state-") as own:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "taskboard.cli", "mcp"],
+            env={**cli_env(server, token), "XDG_STATE_HOME": str(state or own)},
+            cwd=ROOT,
+        )
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            yield session
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -624,6 +628,36 @@ def test_http_a_client_that_opens_a_session_per_call_finishes_what_it_claimed(
         task = Task.objects.get(pk=task_id)
         assert task.status == "done" and task.failure_count == 0
         assert not TaskEvent.objects.filter(task_id=task_id, type="expired").exists()
+
+
+def test_stdio_a_client_that_starts_a_process_per_call_finishes_what_it_claimed(
+    server: LiveServer, token: str, tmp_path: Path
+) -> None:
+    """As the MCP Inspector's CLI does over stdio: a new ``taskboard mcp`` for each call."""
+
+    async def test() -> int:
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            await call(session, "create_task", title="one-shot", queue="cli")
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            claimed = await call(session, "claim_task", queues=["cli"], lease_seconds=10)
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            await call(session, "report_progress", task_id=claimed["id"], progress=1)
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            done = await call(session, "complete_task", task_id=claimed["id"], result="ok")
+            assert done["status"] == "done"
+        return int(claimed["id"])
+
+    task_id = anyio.run(test)
+
+    task = Task.objects.get(pk=task_id)
+    assert task.status == "done" and task.failure_count == 0 and task.progress == 1
+    [claims] = (tmp_path / "taskboard").iterdir()
+    assert claims.stat().st_mode & 0o077 == 0  # lease tokens: its user's only
+    assert json.loads(claims.read_text()) == {}  # finished: no claim left filed
 
 
 def test_http_a_session_whose_task_another_session_took_over_is_told_so(
