@@ -402,7 +402,14 @@ class Session:
         except LeaseLost as exc:
             if self.claim_file is not None:
                 self.claim_file.remove(task_id)
-            raise _lost(task_id, exc.detail) from exc
+            detail = exc.detail
+            if "attempt deadline" not in detail:  # the token was right: the lease was not
+                status = (exc.task_status or "no longer held").replace("_", " ")
+                detail = (
+                    "Its lease ran out before this session took it over from the one that "
+                    f"claimed it (it is {status} now)."
+                )
+            raise _lost(task_id, detail) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
         lease.start()

@@ -660,6 +660,41 @@ def test_stdio_a_client_that_starts_a_process_per_call_finishes_what_it_claimed(
     assert json.loads(claims.read_text()) == {}  # finished: no claim left filed
 
 
+def test_http_a_claim_whose_lease_ran_out_before_a_new_session_came_says_so(
+    server: LiveServer, token: str
+) -> None:
+    other = UserFactory(username="next-agent")
+
+    async def test() -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(
+                f"{server.url}/mcp/", http_client=http, terminate_on_close=False
+            ) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            created = await call(session, "create_task", title="late", queue="llm")
+            await call(session, "claim_task", queues=["llm"], lease_seconds=1)
+        # The client left its session without a word, and came back too late.
+        claims: list[transitions.Claim] = []
+        gone = time.monotonic()
+        while not claims:
+            assert time.monotonic() - gone < 10, "the task never came back"
+            await anyio.sleep(0.2)
+            claims = await db(lambda: transitions.claim(actor=other, queues=["llm"]))
+        async with mcp_session(server, token, "http") as session:
+            await session.initialize()
+            refused = await session.call_tool("complete_task", {"task_id": created["id"]})
+            assert refused.is_error
+            text = text_of(refused)
+            assert "lease_lost: " in text and "wrong token" not in text, text
+            assert "ran out before this session took it over" in text, text
+
+    run(test)
+
+
 def test_http_a_session_whose_task_another_session_took_over_is_told_so(
     server: LiveServer, token: str
 ) -> None:
