@@ -273,9 +273,11 @@ class Sessions:
         session of that token, until its lease has surely run out."""
         now = time.monotonic()
         with self._parked_lock:
-            for parked in self._parked.values():  # forget those that ran out
+            for name, parked in list(self._parked.items()):  # forget those that ran out
                 for task_id in [key for key, (_, until) in parked.items() if until <= now]:
                     del parked[task_id]
+                if not parked:
+                    del self._parked[name]
             self._parked.setdefault(owner, {})[task.id] = (task, now + task.lease_seconds)
 
     def opened(self, session_id: str, owner: str) -> None:
