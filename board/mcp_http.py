@@ -15,11 +15,19 @@ what is here is what the board adds around it:
   this server's HTTP application on its event loop (:class:`InProcess`), so the tools
   answer with exactly the API's validation and error codes, and use the API's worker
   threads and database connections, as stdio's ``taskboard mcp`` does over the network.
-- **Leases live as long as the session.** A session's claims are heartbeated by
-  :class:`~taskboard.mcp_server.Session`. The heartbeats stop when the session ends: the
-  client deletes it (``DELETE /mcp/``), it is idle for TASKBOARD_MCP_SESSION_IDLE_SECONDS
-  (no request in flight and no open stream; the SDK's client keeps a stream open while it
-  lives), or this server stops. Its leases then run out as usual.
+- **Leases live while the session's client is there.** A session's claims are heartbeated
+  by :class:`~taskboard.mcp_server.Session` while the session has a request in flight or
+  an open stream (the SDK's client keeps one open while it lives); AWAY_AFTER seconds
+  without either pause the heartbeats until its next request, so that a killed client's
+  tasks run out within their lease, not the session's idle time. The heartbeats stop for
+  good when the session ends: the client deletes it (``DELETE /mcp/``), it is idle for
+  TASKBOARD_MCP_SESSION_IDLE_SECONDS, or this server stops. Its leases then run out as
+  usual.
+- **A token's sessions share its claims.** A tool call on a task that another session of
+  the same token holds, or ended with while its lease lasts (a client that opens a new
+  session for every call), takes the claim over (:meth:`Sessions.take_over`, in another
+  process of this server through board.mcp_workers); the session it came from then
+  answers ``lease_lost`` saying so.
 
 The SDK keeps no hook for a session's end that a tool can reach, so :class:`Sessions`
 follows each session from the HTTP requests that name it: a ``DELETE`` that succeeded or
@@ -40,7 +48,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,10 +77,10 @@ from access import throttle
 from access.tokens import digest as tokens_digest
 from board import conf, mcp_workers
 from board.api.authentication import cached_user
-from board.asgi_tools import send_response
+from board.asgi_tools import read_body, send_response
 from board.middleware import disallowed_host, error_response
 from board.stream import authorize
-from taskboard.client import Client
+from taskboard.client import ClaimedTask, Client
 from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server
 
 logger = logging.getLogger(__name__)
@@ -76,6 +88,13 @@ logger = logging.getLogger(__name__)
 PATHS = frozenset({"/mcp", "/mcp/"})
 # Seconds our idle timer runs past the SDK's, so that the SDK ends a session first.
 IDLE_MARGIN = 2.0
+# Seconds a session may be without a request or an open stream before its client counts
+# as gone and its leases are no longer renewed: long enough for a stream to reconnect, or
+# for the gap between two requests of a client that keeps no stream open.
+AWAY_AFTER = 2.0
+# Seconds a session waits for another of its token to finish closing, for the claims it
+# parks (its heartbeats stop within a request's time).
+CLOSE_WAIT = 15.0
 # Open sessions per process, and per token (so that one agent cannot take them all).
 MAX_SESSIONS = 2000
 SESSIONS_PER_TOKEN = 50
@@ -86,6 +105,13 @@ SESSIONS_PER_TOKEN = 50
 MAX_RPC_BYTES = 4 * conf.MAX_BODY_BYTES
 # Where the token that authenticated a request is kept in its ASGI scope.
 TOKEN_KEY = "taskboard.token"
+# What a session says of a task that is in progress but that no session of its token here
+# holds (Session.not_held).
+NOT_HELD_HERE = (
+    "A session of /mcp/ acts on the tasks its token claimed in any of its sessions on this "
+    "server, while their leases last; this one is held by another agent, by a client of "
+    "this token other than an MCP session here, or claimed on another server."
+)
 
 Scope = dict[str, Any]
 
@@ -146,6 +172,7 @@ class Tracked:
     session: Session | None = None
     in_flight: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    away_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class Sessions:
@@ -155,10 +182,21 @@ class Sessions:
     SDK and changes nothing here.
     """
 
-    def __init__(self, app: Any, idle_seconds: float) -> None:
+    def __init__(
+        self, app: Any, idle_seconds: float, router: mcp_workers.Router | None = None
+    ) -> None:
         self.app = app
         self.idle_seconds = idle_seconds
+        self.router = router
         self._tracked: dict[str, Tracked] = {}
+        # The claims that sessions still held when they ended, by owner and task id, with
+        # when their leases have surely run out: a later session of the same token takes
+        # them over (a client that opens a session for every call finishes what it claimed).
+        self._parked: dict[str, dict[int, tuple[ClaimedTask, float]]] = {}
+        # Sessions of each owner being closed (their claims not parked yet), each set once
+        # it is closed.
+        self._closing: dict[str, set[threading.Event]] = {}
+        self._parked_lock = threading.Lock()
 
     def session_of(self, ctx: Context) -> Session:
         """The :class:`Session` of the MCP session that made this tool call."""
@@ -184,8 +222,63 @@ class Sessions:
                 transport=InProcess(self.app, asyncio.get_running_loop(), tuple(client)),
                 **TOOL_CALL_LIMITS,
             )
-            tracked.session = Session(api, owns_client=True)
+            session = Session(api, owns_client=True, not_held=NOT_HELD_HERE)
+            loop = asyncio.get_running_loop()
+            session.take_over = functools.partial(self.take_over, tracked.owner, session, loop)
+            session.park = functools.partial(self.park, tracked.owner)
+            tracked.session = session
         return tracked.session
+
+    def take_over(
+        self, owner: str, taker: Session, loop: asyncio.AbstractEventLoop, task_id: int
+    ) -> ClaimedTask | None:
+        """For ``taker``, a session of ``owner``'s: the claim on ``task_id`` that another
+        session of that token holds or ended with, here or in another process of this
+        server, taken from it. In a worker thread (it waits for heartbeats to stop)."""
+        task = self.take_here(owner, task_id, taker)
+        if task is None and self.router is not None:
+            asking = asyncio.run_coroutine_threadsafe(self.router.take(owner, task_id), loop)
+            try:
+                task = asking.result()
+            except Exception:
+                logger.exception("mcp: asking the other processes for task %s failed", task_id)
+        return task
+
+    def take_here(
+        self, owner: str, task_id: int, taker: Session | None = None
+    ) -> ClaimedTask | None:
+        """The claim on ``task_id`` that a session of ``owner`` in this process (other than
+        ``taker``) holds, or ended with while its lease may last, taken from it."""
+        with self._parked_lock:
+            closing = list(self._closing.get(owner, ()))
+        for closed in closing:  # a client's DELETE may come just before its next session
+            closed.wait(CLOSE_WAIT)
+        with self._parked_lock:
+            parked = self._parked.get(owner, {})
+            entry = parked.pop(task_id, None)
+            if not parked:
+                self._parked.pop(owner, None)
+        if entry is not None and entry[1] > time.monotonic():
+            return entry[0]
+        for tracked in list(self._tracked.values()):
+            session = tracked.session
+            if tracked.owner == owner and session is not None and session is not taker:
+                task = session.give_up(task_id)
+                if task is not None:
+                    return task
+        return None
+
+    def park(self, owner: str, task: ClaimedTask) -> None:
+        """Keep the claim on ``task`` that a session of ``owner`` ended with, for another
+        session of that token, until its lease has surely run out."""
+        now = time.monotonic()
+        with self._parked_lock:
+            for name, parked in list(self._parked.items()):  # forget those that ran out
+                for task_id in [key for key, (_, until) in parked.items() if until <= now]:
+                    del parked[task_id]
+                if not parked:
+                    del self._parked[name]
+            self._parked.setdefault(owner, {})[task.id] = (task, now + task.lease_seconds)
 
     def opened(self, session_id: str, owner: str) -> None:
         """The SDK opened ``session_id`` for the token whose digest is ``owner``; it is
@@ -205,9 +298,9 @@ class Sessions:
         tracked = self._tracked.get(session_id)
         if tracked is not None:
             tracked.in_flight += 1
-            if tracked.timer is not None:
-                tracked.timer.cancel()
-                tracked.timer = None
+            _cancel(tracked)
+            if tracked.session is not None and not tracked.session.present:
+                self._attend(tracked.session, present=True)
         return tracked
 
     def finish(self, session_id: str, tracked: Tracked, *, gone: bool) -> None:
@@ -224,6 +317,21 @@ class Sessions:
     def _idle(self, session_id: str, tracked: Tracked) -> None:
         loop = asyncio.get_running_loop()
         tracked.timer = loop.call_later(self.idle_seconds + IDLE_MARGIN, self.end, session_id)
+        tracked.away_timer = loop.call_later(AWAY_AFTER, self._away, session_id)
+
+    def _away(self, session_id: str) -> None:
+        """The session's client has been gone for AWAY_AFTER: stop renewing its leases (its
+        next request renews them again, if they have not run out meanwhile). The session
+        itself is kept for the idle time, for a client that comes back."""
+        tracked = self._tracked.get(session_id)
+        if tracked is not None and tracked.in_flight == 0 and tracked.session is not None:
+            self._attend(tracked.session, present=False)
+
+    def _attend(self, session: Session, *, present: bool) -> None:
+        session.attend(present)
+        # In a thread: stopping a heartbeat may wait for its answer from this loop.
+        settling = asyncio.get_running_loop().run_in_executor(None, session.settle)
+        settling.add_done_callback(_log_failure)
 
     def end(self, session_id: str) -> None:
         """Forget ``session_id`` and stop its heartbeats (in a thread: they may be waiting
@@ -231,20 +339,42 @@ class Sessions:
         tracked = self._tracked.pop(session_id, None)
         if tracked is None:
             return
-        if tracked.timer is not None:
-            tracked.timer.cancel()
+        _cancel(tracked)
         if tracked.session is not None:
             logger.info("MCP session %s ended; its leases will run out", session_id[:8])
-            closing = asyncio.get_running_loop().run_in_executor(None, tracked.session.close)
+            closed = threading.Event()
+            with self._parked_lock:
+                self._closing.setdefault(tracked.owner, set()).add(closed)
+            closing = asyncio.get_running_loop().run_in_executor(
+                None, self._close, tracked.owner, tracked.session, closed
+            )
             closing.add_done_callback(_log_failure)
+
+    def _close(self, owner: str, session: Session, closed: threading.Event) -> None:
+        try:
+            session.close()  # which parks its claims
+        finally:
+            with self._parked_lock:
+                self._closing.get(owner, set()).discard(closed)
+                if not self._closing.get(owner, True):
+                    del self._closing[owner]
+            closed.set()
 
     async def end_all(self) -> None:
         sessions = [t.session for t in self._tracked.values() if t.session is not None]
+        for session in sessions:
+            session.park = None  # this server stops: nobody here will take them over
         for tracked in self._tracked.values():
-            if tracked.timer is not None:
-                tracked.timer.cancel()
+            _cancel(tracked)
         self._tracked.clear()
         await asyncio.gather(*(asyncio.to_thread(session.close) for session in sessions))
+
+
+def _cancel(tracked: Tracked) -> None:
+    for timer in (tracked.timer, tracked.away_timer):
+        if timer is not None:
+            timer.cancel()
+    tracked.timer = tracked.away_timer = None
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:
@@ -256,12 +386,14 @@ class MCPApplication:
     """The ASGI application at ``/mcp/``: authentication, then the SDK's transport."""
 
     def __init__(self, app: Any) -> None:
-        self.sessions = Sessions(app, settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS)
         # Set when this is one of several processes of a `serve` (board.mcp_workers).
         self.router = (
             mcp_workers.Router(Path(settings.TASKBOARD_SERVE_SOCKETS))
             if settings.TASKBOARD_SERVE_SOCKETS
             else None
+        )
+        self.sessions = Sessions(
+            app, settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS, router=self.router
         )
         self.server = build_server(self.sessions.session_of)
         # Made for its session manager: the requests reach it through __call__, not
@@ -465,11 +597,8 @@ class MCPApplication:
             )
             return None
         if authorized is None:
-            response = error_response(
-                401, "not_authenticated", "Send 'Authorization: Bearer <token>' (an API token)."
-            )
-            response["WWW-Authenticate"] = 'Bearer realm="taskboard"'
-            await send_response(send, response)
+            presented = keyword.lower() in {"bearer", "token"} and bool(token)
+            await _unauthorized(send, refused=presented)
             return None
         # DRF's token authentication (board.stream.authorize) has cached the lookup.
         return principal, token
@@ -493,6 +622,37 @@ async def _jsonrpc_error(
     for name, value in (headers or {}).items():
         response[name] = value
     await send_response(send, response)
+
+
+async def _unauthorized(send: Any, *, refused: bool) -> None:
+    """Answer 401 as a server that takes only Bearer tokens: RFC 6750's challenge, with
+    ``error="invalid_token"`` when a token was sent and refused, and no
+    ``resource_metadata`` (there is no OAuth here to discover), so that an MCP client
+    reports the refusal instead of starting an OAuth flow; the body is a JSON-RPC error,
+    which the SDK's client passes on to its caller as it is."""
+    if refused:
+        message = (
+            "invalid token: the Bearer token was refused (unknown, revoked or replaced). "
+            "Send 'Authorization: Bearer <token>' with the agent's API token (create_agent "
+            "prints it); this server has no OAuth."
+        )
+        challenge = (
+            'Bearer realm="taskboard", error="invalid_token", '
+            'error_description="The access token is unknown, revoked or replaced"'
+        )
+    else:
+        message = (
+            "not authenticated: send 'Authorization: Bearer <token>' with the agent's API "
+            "token (create_agent prints it); this server has no OAuth."
+        )
+        challenge = 'Bearer realm="taskboard"'
+    await _jsonrpc_error(
+        send,
+        401,
+        message,
+        data={"error": "invalid_token" if refused else "not_authenticated"},
+        headers={"WWW-Authenticate": challenge},
+    )
 
 
 def _capture_session(send: Any, sessions: Sessions, owner: str) -> Any:
@@ -531,10 +691,31 @@ async def private_application(scope: Scope, receive: Any, send: Any) -> None:
     """The ASGI application on this process's private socket (board.mcp_workers): the
     requests for its sessions that other processes of this server pass on, and nothing
     else."""
+    if scope["type"] == "http" and scope["path"] == mcp_workers.TAKE_PATH:
+        await _hand_over(scope, receive, send)
+        return
     if scope["type"] != "http" or scope["path"] not in PATHS:
         await send_response(send, error_response(404, "not_found", "Only /mcp/ is served here."))
         return
     await application(mcp_workers.forwarded_scope(scope), receive, send)
+
+
+async def _hand_over(scope: Scope, receive: Any, send: Any) -> None:
+    """Another process of this server asks for a claim of one of this one's sessions, for
+    a session of the same token there (Router.take): hand it over, or 404."""
+    mcp = _running.get(asyncio.get_running_loop())
+    body = await read_body(receive, 4096)
+    try:
+        asked = json.loads(body or b"")
+        owner, task_id = str(asked["owner"]), int(asked["task_id"])
+    except (ValueError, TypeError, KeyError):
+        await send_response(send, error_response(400, "invalid", "Expected owner and task_id."))
+        return
+    task = await asyncio.to_thread(mcp.sessions.take_here, owner, task_id) if mcp else None
+    if task is None:
+        await send_response(send, error_response(404, "not_found", "No such claim here."))
+        return
+    await send_response(send, JsonResponse(mcp_workers.claim_to_json(task)))
 
 
 async def application(scope: Scope, receive: Any, send: Any) -> None:

@@ -19,7 +19,11 @@ So, when ``serve`` runs several processes (it then names a private directory in
   the client's address in a header that only this socket is trusted for;
 - when that process is gone (no socket, or nothing listening on it: killed), the session
   is too: the answer is the SDK's ``404`` for an unknown session, after which the SDK's
-  client opens a new session.
+  client opens a new session;
+- a session that acts on a task its token claimed in a session of another process (a
+  client that opens a new session for every call) asks the other processes, over their
+  sockets, to hand the claim over (``TAKE_PATH``): the one that holds it stops renewing it
+  and answers with it, lease token included, and the asking session renews it from then on.
 
 This is hand-written because nothing routes MCP sessions between the processes of one
 server: the SDK keeps sessions in process memory and has no store to share them, uvicorn
@@ -36,6 +40,7 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ import httpx
 import uvicorn
 
 from board.asgi_tools import closing, until_disconnect
+from taskboard.client import ClaimedTask, Task
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,11 @@ HOP_BY_HOP = frozenset(
         CLIENT_HEADER,
     }
 )
+# Where a process asks another, over its socket, to hand over a claim of one of its MCP
+# sessions (JSON {"owner": <token digest>, "task_id": n}): 200 with the claim, or 404.
+TAKE_PATH = "/mcp/-/take"
+# Seconds a process waits for each other one to answer it.
+TAKE_TIMEOUT = 5.0
 # Idle forwarding connections are let go well before the owner's server closes them
 # (PRIVATE_KEEP_ALIVE), so that a request is never sent on a connection being closed.
 KEEPALIVE_EXPIRY = 5.0
@@ -230,6 +241,25 @@ class Router:
         finally:
             await response.aclose()
 
+    async def take(self, owner: str, task_id: int) -> ClaimedTask | None:
+        """The claim on ``task_id`` that a session of the token ``owner`` holds, or held
+        and ended with, in another process of this server, handed over by it; or None."""
+        for path in sorted(self.directory.glob("*.sock")):
+            tag = path.stem
+            if tag == self.tag:
+                continue
+            try:
+                response = await self._client(tag).post(
+                    f"http://taskboard{TAKE_PATH}",
+                    json={"owner": owner, "task_id": task_id},
+                    timeout=TAKE_TIMEOUT,
+                )
+            except httpx.TransportError:
+                continue  # gone (its sessions with it), or not answering: not there
+            if response.status_code == 200:
+                return claim_from_json(response.json())
+        return None
+
     async def _forget(self, tag: str) -> None:
         client = self._clients.pop(tag, None)
         if client is not None:
@@ -254,6 +284,22 @@ async def _pump(response: httpx.Response, send: Any) -> None:
     async for chunk in response.aiter_raw():
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def claim_to_json(task: ClaimedTask) -> dict[str, Any]:
+    """A claim as one process hands it to another (on one machine: ``claimed_at`` is on
+    the monotonic clock that they share)."""
+    return {"task": task.raw, "lease_seconds": task.lease_seconds, "claimed_at": task.claimed_at}
+
+
+def claim_from_json(data: dict[str, Any]) -> ClaimedTask:
+    task = Task.from_json(data["task"])
+    return ClaimedTask(
+        **{field.name: getattr(task, field.name) for field in fields(Task)},
+        lease_token=data["task"]["lease_token"],
+        lease_seconds=float(data["lease_seconds"]),
+        claimed_at=float(data["claimed_at"]),
+    )
 
 
 def forwarded_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:

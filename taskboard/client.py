@@ -1211,6 +1211,17 @@ class Lease:
         if thread.is_alive() and threading.current_thread() is not thread:
             thread.join()
 
+    def pause(self) -> None:
+        """Stop heartbeating until :meth:`resume`, leaving the task alone: the lease runs
+        out unless resumed (or renewed by :meth:`heartbeat`) in time."""
+        self._halt()
+
+    def resume(self) -> None:
+        """Heartbeat again after :meth:`pause`: at once if one is due, unless the lease was
+        lost, finished or stopped for good. One that ran out meanwhile turns lost."""
+        if not self._finished:
+            self._resume()
+
     def heartbeat(self, progress: Any = None) -> Task:
         """Heartbeat now, reporting ``progress`` (any JSON value)."""
         sent = time.monotonic()

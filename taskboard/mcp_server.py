@@ -10,6 +10,10 @@ own validation and error codes. ``taskboard mcp`` runs on the agent's machine, a
 of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends
 the same calls to its own process's API, as the agent of the session's Bearer token.
 
+A client that starts ``taskboard mcp`` for every call (the MCP Inspector's CLI does) still
+finishes what it claims: the processes of one token and board share their claims through a
+:class:`ClaimFile`. Over HTTP the sessions of one token share theirs (board.mcp_http).
+
 Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
 here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
 background every third of the lease until the model completes, fails, releases or
@@ -27,12 +31,15 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import json
 import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import fields
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -53,6 +60,8 @@ from taskboard.client import (
 )
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # The API's bounds (board.conf, board.models; tests/test_mcp.py checks that they agree), in
 # the tools' input schemas, so that a model sees them and the SDK refuses what is outside.
@@ -144,19 +153,163 @@ def _refusal(exc: TaskboardError) -> ToolError:
     return ToolError(f"{exc.code}: {exc.detail}")
 
 
+# What a session that does not hold a task says of it, when the task is held: over stdio,
+# where the processes of ``taskboard mcp`` share their claims through a ClaimFile.
+NOT_HELD_HERE = (
+    "A taskboard mcp process acts on the tasks that it, or an earlier process with the same "
+    "token and board on this machine, claimed, while their leases last; this one is held by "
+    "another agent, by another client of this token, or was claimed on another machine."
+)
+# Claims a ClaimFile keeps at most (those of processes that were killed are never removed
+# by them).
+MAX_FILED_CLAIMS = 1000
+
+
+class ClaimFile:
+    """The claims of one token on one board, shared by the ``taskboard mcp`` processes of
+    this machine, so that a client that starts one for every call (the MCP Inspector's CLI
+    does) finishes in one process what it claimed in another.
+
+    A JSON file, readable by its user only (it holds lease tokens), under
+    ``$XDG_STATE_HOME/taskboard`` (default ``~/.local/state/taskboard``), named by a
+    digest of the board's URL and the token; each change is made under an exclusive lock.
+    A process files each claim as it gets it and removes it once it has finished or lost
+    it; a process that acts on a task it does not hold takes its claim from the file.
+    """
+
+    def __init__(self, url: str, token: str, directory: Path | None = None) -> None:
+        if directory is None:
+            state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+            directory = Path(state) / "taskboard"
+        name = hashlib.sha256(f"{url.rstrip('/')}\n{token}".encode()).hexdigest()[:32]
+        self.path = directory / f"mcp-claims-{name}.json"
+
+    @contextlib.contextmanager
+    def _claims(self) -> Iterator[dict[str, Any]]:
+        """The filed claims by task id, to read and change; written back on leaving."""
+        import fcntl  # POSIX only: elsewhere (ImportError) each process keeps its own
+
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+", encoding="utf-8") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            try:
+                claims = json.loads(file.read() or "{}")
+            except ValueError:
+                claims = {}  # torn by a crash mid-write: the claims in it run out
+            if not isinstance(claims, dict):
+                claims = {}
+            before = json.dumps(claims, sort_keys=True)
+            yield claims
+            for extra in list(claims)[: max(0, len(claims) - MAX_FILED_CLAIMS)]:
+                del claims[extra]  # the oldest first: dicts keep their order
+            if json.dumps(claims, sort_keys=True) != before:
+                file.seek(0)
+                file.truncate()
+                file.write(json.dumps(claims))
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, Any]]:
+        """:meth:`_claims`, or an empty dict when the file cannot be used (a read-only
+        home): the tools work on, each process with its own claims."""
+        used = False
+        try:
+            with self._claims() as claims:
+                used = True
+                yield claims
+        except (OSError, ImportError) as exc:
+            logger.warning("mcp: cannot use %s: %s", self.path, exc)
+            if not used:
+                yield {}
+
+    def add(self, task: ClaimedTask) -> None:
+        with self._changing() as claims:
+            claims.pop(str(task.id), None)
+            claims[str(task.id)] = {
+                "task": task.raw,
+                "lease_seconds": task.lease_seconds,
+                "claimed_at": task.claimed_at,
+            }
+
+    def remove(self, task_id: int) -> None:
+        with self._changing() as claims:
+            claims.pop(str(task_id), None)
+
+    def take(self, task_id: int) -> ClaimedTask | None:
+        """The claim on ``task_id`` another process filed (it stays filed, for this one)."""
+        with self._changing() as claims:
+            filed = claims.get(str(task_id))
+        if not isinstance(filed, dict):
+            return None
+        try:
+            task = Task.from_json(filed["task"])
+            return ClaimedTask(
+                **{field.name: getattr(task, field.name) for field in fields(Task)},
+                lease_token=str(filed["task"]["lease_token"]),
+                lease_seconds=float(filed["lease_seconds"]),
+                # time.monotonic() of the claim, as the process that filed it saw it: one
+                # clock for every process of this machine, until it restarts (then the
+                # claims have run out anyway).
+                claimed_at=float(filed["claimed_at"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
 class Session:
     """The leases one MCP session holds, each kept alive by its own heartbeat thread.
 
-    ``owns_client``: :meth:`close` closes the client too.
+    ``owns_client``: :meth:`close` closes the client too. ``not_held``: what a refusal
+    says of a task held elsewhere. Over HTTP, board.mcp_http sets :attr:`take_over` and
+    :attr:`park`, so that the sessions of one token share their claims.
     """
 
-    def __init__(self, client: Client, *, owns_client: bool = False) -> None:
+    def __init__(
+        self, client: Client, *, owns_client: bool = False, not_held: str = NOT_HELD_HERE
+    ) -> None:
         self.client = client
         self.leases: dict[int, Lease] = {}
         self.closed = False
+        self.not_held = not_held
+        #: The claim on a task that another session of this token holds, or held and
+        #: ended with, taken from it (its heartbeats stopped); None when there is none.
+        self.take_over: Callable[[int], ClaimedTask | None] | None = None
+        #: Where :meth:`close` leaves the claims it still holds, for :attr:`take_over`.
+        self.park: Callable[[ClaimedTask], None] | None = None
+        #: Over stdio: where each claim is filed while held, for the next process.
+        self.claim_file: ClaimFile | None = None
+        # Tasks that another session of this token took over from this one.
+        self._taken: set[int] = set()
         self._owns_client = owns_client
         self._claims = 0  # claims under way, for which the client stays open
         self._lock = threading.Lock()
+        # Whether the session's client is there (board.mcp_http says), and whether the
+        # heartbeats are paused for its absence; settle() makes the second follow the first.
+        self.present = True
+        self._paused = False
+        self._attending = threading.Lock()
+
+    def attend(self, present: bool) -> None:
+        """Say whether the session's client is there; :meth:`settle` acts on it."""
+        self.present = present
+
+    def settle(self) -> None:
+        """Pause the heartbeats while the client is away, and resume them once it is back:
+        a client that is gone for good (killed) leaves its tasks to run out within a lease,
+        as they would with no MCP in between, rather than for as long as its session is
+        kept. Blocks while heartbeats stop (never on the event loop that answers them)."""
+        with self._attending:
+            present = self.present
+            if present != self._paused:
+                return
+            with self._lock:
+                leases = list(self.leases.values())
+                self._paused = not present
+            for lease in leases:
+                if present:
+                    lease.resume()
+                else:
+                    lease.pause()
 
     @contextlib.contextmanager
     def claiming(self) -> Iterator[None]:
@@ -182,11 +335,19 @@ class Session:
             self.client.close()
 
     def hold(self, task: ClaimedTask) -> None:
+        self.settle()
         lease = self.client.lease(task)
         with self._lock:
-            if not self.closed:
+            kept = not self.closed
+            if kept:
                 self.leases[task.id] = lease
-                return
+            away = self._paused
+        if kept:
+            if away:  # the client left while its claim waited: as its other leases
+                lease.pause()
+            if self.claim_file is not None:
+                self.claim_file.add(task)
+            return
         # The session ended while the claim was on its way (its host gone mid-wait): nobody
         # will ever see this task, so give it back at once, without a strike, rather than
         # let its lease run out and count one against it.
@@ -198,6 +359,7 @@ class Session:
 
     def lease(self, task_id: int) -> Lease:
         """The live lease on ``task_id``, or a tool error that says it is not held."""
+        self.settle()
         with self._lock:
             lease = self.leases.get(task_id)
         if lease is None:
@@ -214,23 +376,90 @@ class Session:
             lease = self.leases.pop(task_id, None)
         if lease is not None:
             lease.stop()
+        if self.claim_file is not None:
+            self.claim_file.remove(task_id)
 
-    def held(self, task_id: int, unheld: Callable[[str], Any]) -> Lease:
-        """The live lease on ``task_id``; for a task this session does not hold, the API's
-        own refusal of ``unheld`` (the action, sent with a token that is nobody's):
-        ``not_found``, ``forbidden_queue`` or ``lease_lost``, as the REST API answers."""
+    def give_up(self, task_id: int) -> ClaimedTask | None:
+        """Hand the claim on ``task_id`` to another session of this token: stop renewing
+        it here and return it (None when this session does not hold it live)."""
         with self._lock:
-            held = task_id in self.leases
-        if held:
-            return self.lease(task_id)
+            lease = self.leases.pop(task_id, None)
+            if lease is None:
+                return None
+            self._taken.add(task_id)
+        lease.stop()
+        return None if lease.lost or lease.finished else lease.task
+
+    def _adopt(self, task_id: int) -> bool:
+        """Take over the claim on ``task_id`` from another session of this token, if one
+        holds it: renew it at once (which says whether it is still live) and keep it."""
+        task = self.take_over(task_id) if self.take_over is not None else None
+        if task is None:
+            return False
+        lease = Lease(self.client, task)
         try:
-            unheld(NOBODYS_TOKEN)
+            lease.heartbeat()
         except LeaseLost as exc:
-            detail = f"This session did not claim it, or has ended it. {exc.detail}"
+            if self.claim_file is not None:
+                self.claim_file.remove(task_id)
+            detail = exc.detail
+            if "attempt deadline" not in detail:  # the token was right: the lease was not
+                status = (exc.task_status or "no longer held").replace("_", " ")
+                detail = (
+                    "Its lease ran out before this session took it over from the one that "
+                    f"claimed it (it is {status} now)."
+                )
             raise _lost(task_id, detail) from exc
         except TaskboardError as exc:
             raise _refusal(exc) from exc
+        lease.start()
+        with self._lock:
+            self.leases[task_id] = lease
+            self._taken.discard(task_id)
+            away = self._paused
+        if away:
+            lease.pause()
+        return True
+
+    def held(self, task_id: int, unheld: Callable[[str], Any]) -> Lease:
+        """The live lease on ``task_id`` (taken over from another session of this token
+        if that one holds it); for a task held by nobody here, the API's own refusal of
+        ``unheld`` (the action, sent with a token that is nobody's): ``not_found``,
+        ``forbidden_queue`` or ``lease_lost``, as the REST API answers, with what the
+        ``lease_lost`` means here."""
+        with self._lock:
+            held = task_id in self.leases
+            taken = task_id in self._taken
+        if held or self._adopt(task_id):
+            return self.lease(task_id)
+        if taken:
+            raise _lost(
+                task_id,
+                "Another MCP session of this token took it over (it acted on the task "
+                "after this session claimed it), and has finished it or let it go.",
+            )
+        try:
+            unheld(NOBODYS_TOKEN)
+        except LeaseLost as exc:
+            raise _lost(task_id, self._not_held(task_id, exc)) from exc
+        except TaskboardError as exc:
+            raise _refusal(exc) from exc
         return self.lease(task_id)  # never accepted; if it were, still not held here
+
+    def _not_held(self, task_id: int, refusal: LeaseLost) -> str:
+        """Why this session cannot act on ``task_id``, by the task's status: the API's
+        own words (a wrong token, ...) would blame the token this session sent for it."""
+        status = refusal.task_status
+        if status == "in_progress":
+            return (
+                f"This MCP session did not claim task {task_id}, and holds no lease on it: "
+                f"it is in progress, held elsewhere. {self.not_held}"
+            )
+        if status == "pending":
+            return f"Task {task_id} is pending: nobody holds it (claim it with claim_task)."
+        if status:
+            return f"Task {task_id} is {status.replace('_', ' ')}: nobody holds it."
+        return refusal.detail
 
     def end(
         self, task_id: int, action: Callable[[Lease], Task], unheld: Callable[[str], Any]
@@ -261,6 +490,8 @@ class Session:
             idle = self._claims == 0
         for lease in leases:
             lease.stop()
+            if self.park is not None and not (lease.lost or lease.finished):
+                self.park(lease.task)
         if idle:  # else the last claim under way closes it (claiming)
             self._close_client()
 
@@ -540,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with Client(args.url, args.token, **TOOL_CALL_LIMITS) as client:
         session = Session(client)
+        session.claim_file = ClaimFile(args.url, args.token)
+        session.take_over = session.claim_file.take
         try:
             build_server(lambda ctx: session).run()
         finally:

@@ -7,10 +7,13 @@ Bearer authentication and session idle timeouts."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -33,7 +36,7 @@ from board.models import (
 )
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer, live_server
-from tests.processes import ROOT, cli_env
+from tests.processes import ROOT, cli_env, eventually
 
 T = TypeVar("T")
 
@@ -65,10 +68,11 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @asynccontextmanager
 async def mcp_session(
-    server: LiveServer, token: str, transport: str = "stdio"
+    server: LiveServer, token: str, transport: str = "stdio", state: Path | None = None
 ) -> AsyncIterator[ClientSession]:
     """An MCP session of the agent of ``token``: over stdio, with ``taskboard mcp`` as the
-    host would start it, or over Streamable HTTP to the server's ``/mcp/``."""
+    host would start it (its claims filed under ``state``, by default a directory of its
+    own), or over Streamable HTTP to the server's ``/mcp/``."""
     if transport == "http":
         headers = {"Authorization": f"Bearer {token}"}
         async with (
@@ -78,14 +82,15 @@ async def mcp_session(
         ):
             yield session
         return
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "taskboard.cli", "mcp"],
-        env=cli_env(server, token),
-        cwd=ROOT,
-    )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        yield session
+    with tempfile.TemporaryDirectory(prefix="tb-mcp-state-") as own:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "taskboard.cli", "mcp"],
+            env={**cli_env(server, token), "XDG_STATE_HOME": str(state or own)},
+            cwd=ROOT,
+        )
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            yield session
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -330,6 +335,10 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
                     refused = await session.call_tool(tool, {"task_id": task_id, **extra})
                     assert refused.is_error, (tool, task_id)
                     assert code in text_of(refused), (tool, text_of(refused))
+                    # Not the token's fault: the session sent none of its own.
+                    assert "wrong token" not in text_of(refused), text_of(refused)
+                    if task_id == held.pk:
+                        assert f"did not claim task {held.pk}" in text_of(refused)
                     assert text_of(refused).count("Stop working on it") <= 1, text_of(refused)
 
     run(test)
@@ -471,12 +480,49 @@ def test_http_refuses_a_request_without_a_valid_bearer_token(
     ):
         response = httpx.post(f"{server.url}/mcp/", json=INITIALIZE, headers={**ACCEPT, **headers})
         assert response.status_code == 401, headers
-        assert response.json()["error"] == "not_authenticated"
-        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        error = response.json()["error"]
+        challenge = response.headers["WWW-Authenticate"]
+        assert challenge.startswith("Bearer")
+        # No OAuth here: nothing for a client to discover.
+        assert "resource_metadata" not in challenge
+        if "not-a-token" in str(headers):
+            assert error["data"]["error"] == "invalid_token"
+            assert "invalid token" in error["message"]
+            assert 'error="invalid_token"' in challenge and "error_description=" in challenge
+        else:
+            assert error["data"]["error"] == "not_authenticated"
+            assert "error=" not in challenge  # RFC 6750: no error code without a token
     opened = httpx.post(
         f"{server.url}/mcp", json=INITIALIZE, headers={**ACCEPT, "Authorization": f"Bearer {token}"}
     )
     assert opened.status_code == 200 and opened.headers["mcp-session-id"]
+
+
+def test_http_a_wrong_token_is_a_clear_error_from_the_sdks_client_not_an_oauth_flow(
+    server: LiveServer,
+) -> None:
+    from mcp.shared.exceptions import MCPError
+
+    async def test() -> None:
+        headers = {"Authorization": "Bearer not-a-token"}
+        # The SDK's task groups may wrap it in an exception group.
+        refused = pytest.RaisesExc(MCPError, match="invalid token")
+        with pytest.RaisesGroup(refused, allow_unwrapped=True, flatten_subgroups=True):
+            async with (
+                create_mcp_http_client(headers=headers) as http,
+                streamable_http_client(f"{server.url}/mcp/", http_client=http) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                await session.initialize()
+
+    run(test)
+    # Nor is there OAuth metadata to discover.
+    for path in (
+        "/.well-known/oauth-protected-resource/mcp/",
+        "/.well-known/oauth-protected-resource",
+        "/.well-known/oauth-authorization-server",
+    ):
+        assert httpx.get(f"{server.url}{path}").status_code == 404, path
 
 
 def test_http_a_session_belongs_to_the_token_that_opened_it(server: LiveServer, token: str) -> None:
@@ -532,12 +578,209 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
             assert time.monotonic() - gone < 10, "the task never came back"
             await anyio.sleep(0.2)
             claims = await db(lambda: transitions.claim(actor=other, queues=["llm"]))
-        # Idle (1 s, + 2 s margin), then the lease (2 s) ran out.
+        # Away (2 s) or idle (1 s, + 2 s margin), then the lease (2 s) ran out.
         assert time.monotonic() - gone > 3
         assert claims[0].task.pk == created["id"] and claims[0].task.progress == "p"
 
     with live_server() as server:
         run(lambda: test(server))
+
+
+def test_http_a_client_that_opens_a_session_per_call_finishes_what_it_claimed(
+    server: LiveServer, token: str
+) -> None:
+    """As the MCP Inspector's CLI does: each call in a new session, which it then deletes
+    (the SDK's client) or just leaves (closing its connection)."""
+
+    @asynccontextmanager
+    async def one_call(*, delete: bool = True) -> AsyncIterator[ClientSession]:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(
+                f"{server.url}/mcp/", http_client=http, terminate_on_close=delete
+            ) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
+
+    async def test() -> list[int]:
+        ids = []
+        for delete in (True, False):
+            async with one_call() as session:
+                await call(session, "create_task", title=f"one-shot {delete}", queue="cli")
+            async with one_call(delete=delete) as session:
+                claimed = await call(session, "claim_task", queues=["cli"], lease_seconds=2)
+                ids.append(claimed["id"])
+        for task_id in ids:
+            async with one_call() as session:
+                progressed = await call(session, "report_progress", task_id=task_id, progress=1)
+                assert progressed["progress"] == 1
+            async with one_call() as session:
+                done = await call(session, "complete_task", task_id=task_id, result="ok")
+                assert done["status"] == "done"
+        return ids
+
+    ids = anyio.run(test)
+
+    for task_id in ids:
+        task = Task.objects.get(pk=task_id)
+        assert task.status == "done" and task.failure_count == 0
+        assert not TaskEvent.objects.filter(task_id=task_id, type="expired").exists()
+
+
+def test_stdio_a_client_that_starts_a_process_per_call_finishes_what_it_claimed(
+    server: LiveServer, token: str, tmp_path: Path
+) -> None:
+    """As the MCP Inspector's CLI does over stdio: a new ``taskboard mcp`` for each call."""
+
+    async def test() -> int:
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            await call(session, "create_task", title="one-shot", queue="cli")
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            claimed = await call(session, "claim_task", queues=["cli"], lease_seconds=10)
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            await call(session, "report_progress", task_id=claimed["id"], progress=1)
+        async with mcp_session(server, token, state=tmp_path) as session:
+            await session.initialize()
+            done = await call(session, "complete_task", task_id=claimed["id"], result="ok")
+            assert done["status"] == "done"
+        return int(claimed["id"])
+
+    task_id = anyio.run(test)
+
+    task = Task.objects.get(pk=task_id)
+    assert task.status == "done" and task.failure_count == 0 and task.progress == 1
+    [claims] = (tmp_path / "taskboard").iterdir()
+    assert claims.stat().st_mode & 0o077 == 0  # lease tokens: its user's only
+    assert json.loads(claims.read_text()) == {}  # finished: no claim left filed
+
+
+def test_http_a_claim_whose_lease_ran_out_before_a_new_session_came_says_so(
+    server: LiveServer, token: str
+) -> None:
+    other = UserFactory(username="next-agent")
+
+    async def test() -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(
+                f"{server.url}/mcp/", http_client=http, terminate_on_close=False
+            ) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            created = await call(session, "create_task", title="late", queue="llm")
+            await call(session, "claim_task", queues=["llm"], lease_seconds=1)
+        # The client left its session without a word, and came back too late.
+        claims: list[transitions.Claim] = []
+        gone = time.monotonic()
+        while not claims:
+            assert time.monotonic() - gone < 10, "the task never came back"
+            await anyio.sleep(0.2)
+            claims = await db(lambda: transitions.claim(actor=other, queues=["llm"]))
+        async with mcp_session(server, token, "http") as session:
+            await session.initialize()
+            refused = await session.call_tool("complete_task", {"task_id": created["id"]})
+            assert refused.is_error
+            text = text_of(refused)
+            assert "lease_lost: " in text and "wrong token" not in text, text
+            assert "ran out before this session took it over" in text, text
+
+    run(test)
+
+
+def test_http_a_session_whose_task_another_session_took_over_is_told_so(
+    server: LiveServer, token: str
+) -> None:
+    async def test() -> None:
+        async with mcp_session(server, token, "http") as first:
+            await first.initialize()
+            created = await call(first, "create_task", title="shared", queue="llm")
+            await call(first, "claim_task", queues=["llm"])
+            async with mcp_session(server, token, "http") as second:
+                await second.initialize()
+                done = await call(second, "complete_task", task_id=created["id"])
+                assert done["status"] == "done"
+                refused = await first.call_tool("complete_task", {"task_id": created["id"]})
+                assert refused.is_error
+                text = text_of(refused)
+                assert "lease_lost: " in text and "Another MCP session of this token" in text
+                assert "wrong token" not in text, text
+
+    run(test)
+
+
+# An MCP host over Streamable HTTP, in a process of its own: it claims a task (printing
+# its id) and keeps its session open, as a host does while its model works, until killed.
+HOLDING_CLIENT = """
+import sys
+import anyio
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+async def main(url: str, token: str) -> None:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        await session.call_tool("create_task", {"title": "killed", "queue": "llm"})
+        claimed = await session.call_tool("claim_task", {"queues": ["llm"], "lease_seconds": 3})
+        print(claimed.structured_content["result"]["id"], flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+def test_http_a_killed_clients_task_returns_within_its_lease_not_the_session_idle_time(
+    server: LiveServer, token: str, settings: Any
+) -> None:
+    from board.mcp_http import AWAY_AFTER
+
+    lease = 3
+    assert settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS == 120  # the default, far above
+    other = UserFactory(username="next-agent")
+    client = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_CLIENT, f"{server.url}/mcp/", token],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        task_id = int(client.stdout.readline())
+        # While the client lives, its session renews the lease past its first term.
+        eventually(
+            lambda: TaskEvent.objects.filter(task_id=task_id, type="heartbeat").count() >= 4,
+            timeout=10,
+            what="heartbeats for longer than the lease",
+        )
+        assert Task.objects.get(pk=task_id).leased_by_id == "llm-agent"
+    finally:
+        client.kill()
+        client.wait()
+    killed = time.monotonic()
+
+    def claimable() -> list[transitions.Claim]:
+        try:
+            return transitions.claim(actor=other, queues=["llm"])
+        finally:
+            connection.close()
+
+    claims = eventually(claimable, timeout=lease + AWAY_AFTER + 3, what="the task's return")
+    took = time.monotonic() - killed
+    assert claims[0].task.pk == task_id
+    print(f"the killed client's task came back after {took:.1f} s (lease {lease} s)")
 
 
 def test_http_the_sdks_client_in_auto_mode_falls_back_to_a_session(

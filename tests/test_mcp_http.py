@@ -133,8 +133,11 @@ def test_another_tokens_request_for_a_session_leaves_its_leases_alone(
     assert httpx.get(url, headers=headers).status_code == 404
     assert httpx.delete(url, headers=headers).status_code == 404
 
-    time.sleep(3.5)  # past the lease: only the session's heartbeats keep it
-    _status, body = call(url, alice, session_id, "complete_task", task_id=task_id)
+    # Alice's client is there (its stream open, as the SDK's client keeps one).
+    with httpx.stream("GET", url, headers=stream_headers(alice, session_id), timeout=None) as s:
+        assert s.status_code == 200
+        time.sleep(3.5)  # past the lease: only the session's heartbeats keep it
+        _status, body = call(url, alice, session_id, "complete_task", task_id=task_id)
     assert not body["result"].get("isError"), body
     assert Task.objects.get(pk=task_id).status == "done"
 
@@ -300,6 +303,32 @@ def test_a_session_of_a_process_that_is_gone_is_404_once_authenticated(
             json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
         )
         assert stranger.status_code == 401
+
+
+def test_a_new_session_in_another_process_finishes_what_its_tokens_sessions_claimed(
+    two_processes: tuple[LiveServer, LiveServer, Path],
+) -> None:
+    """A client that opens a new session for every call, under ``serve --workers N``: its
+    next session may open in another process than the one that holds its claim."""
+    a, b, _directory = two_processes
+    alice = token_of("alice")
+    # One session left open (its client gone without a word), one deleted.
+    _left, kept = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=3)
+    deleted, parked = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=3)
+    headers = {"Authorization": f"Bearer {alice}", "Mcp-Session-Id": deleted}
+    assert httpx.delete(f"{a.url}/mcp/", headers=headers).status_code < 300
+
+    for task_id in (kept, parked):
+        url = f"{b.url}/mcp/"
+        _status, body = call(
+            url, alice, open_session(url, alice), "report_progress", task_id=task_id, progress=1
+        )
+        assert not body["result"].get("isError"), body
+        _status, body = call(url, alice, open_session(url, alice), "complete_task", task_id=task_id)
+        assert not body["result"].get("isError"), body
+    for task in Task.objects.filter(pk__in=[kept, parked]):
+        assert task.status == "done" and task.failure_count == 0 and task.progress == 1
+    assert not TaskEvent.objects.filter(task_id__in=[kept, parked], type="expired").exists()
 
 
 def test_a_forwarded_requests_client_address_cannot_be_forged(

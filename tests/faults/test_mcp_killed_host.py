@@ -4,8 +4,8 @@ itself, and the next agent resumes from the last progress reported.
 
 - stdio: the host's ``taskboard mcp`` sees its stdin close and exits, and its heartbeats
   with it;
-- Streamable HTTP: the killed host's stream closes, so its session is idle; it ends after
-  TASKBOARD_MCP_SESSION_IDLE_SECONDS, and its heartbeats with it.
+- Streamable HTTP: the killed host's stream closes, so its client is gone: its session
+  stops renewing its leases 2 s later (and ends after TASKBOARD_MCP_SESSION_IDLE_SECONDS).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def test_a_killed_hosts_task_returns_and_the_next_agent_resumes_its_progress(
     with log.open("w") as out:
         host = subprocess.Popen(
             [sys.executable, str(script), transport, server.url, token, str(LEASE_SECONDS)],
-            env=cli_env(server, token),
+            # stdio: its claims filed here, not in this user's home.
+            env={**cli_env(server, token), "XDG_STATE_HOME": str(tmp_path)},
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=out,
