@@ -20,6 +20,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 
+from access import rates
 from board import queues as glance
 from board import transitions, waiting
 from board.access import QueueAccess, queue_access
@@ -54,6 +55,23 @@ ERRORS_409_TRANSITION = {
         description="invalid_transition: the task's status does not allow this action.",
     )
 }
+
+
+def errors_429_rate(setting: str, what: str) -> dict[int, OpenApiResponse]:
+    """The refusal of a write past the user's rate (access.rates); its ``Retry-After``
+    header is declared with the other 429's (board.api.schema)."""
+    return {
+        429: OpenApiResponse(
+            s.ErrorSerializer,
+            description=(
+                f"rate_limited: more {what} in the last minute than `{setting}` "
+                "allows per user (0 turns it off). Nothing was done; try again after the "
+                "`Retry-After` header's seconds."
+            ),
+        )
+    }
+
+
 FORBIDDEN_QUEUE = "forbidden_queue: your agent is limited to other queues (create_agent --queues)."
 ERRORS_403_QUEUE = {403: OpenApiResponse(s.ErrorSerializer, description=FORBIDDEN_QUEUE)}
 ERRORS_403 = {
@@ -176,6 +194,7 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
                 s.ErrorSerializer,
                 description="idempotency_conflict: the key was used before with another body.",
             ),
+            **errors_429_rate("TASKBOARD_CREATE_RATE", "tasks created"),
         },
     ),
 )
@@ -218,6 +237,7 @@ class TaskViewSet(BoardViewSet):
         data = self.validated(s.TaskCreateSerializer)
         self.access.check(data.get("queue", "default"))
         self._check_tasks_exist(data)
+        rates.spend(request.user, rates.Write.CREATE)
         task, created = transitions.create_once(actor=request.user, idempotency_key=key, **data)
         return Response(
             s.render(s.TaskSerializer, task),
@@ -243,14 +263,20 @@ class TaskViewSet(BoardViewSet):
             "any status. It appears on the stream like every other event."
         ),
         request=s.CommentSerializer,
-        responses={201: s.EventSerializer, **ERRORS_400, **ERRORS_403_QUEUE, **ERRORS_404},
+        responses={
+            201: s.EventSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **errors_429_rate("TASKBOARD_COMMENT_RATE", "comments"),
+        },
     )
     @action(detail=True, methods=["post"])
     def comments(self, request: Request, pk: str) -> Response:
         self.access.check_task(int(pk))
-        event = transitions.comment(
-            task_id=int(pk), actor=request.user, **self.validated(s.CommentSerializer)
-        )
+        data = self.validated(s.CommentSerializer)
+        rates.spend(request.user, rates.Write.COMMENT)
+        event = transitions.comment(task_id=int(pk), actor=request.user, **data)
         return Response(s.render(s.EventSerializer, event), status=status.HTTP_201_CREATED)
 
     @extend_schema(
