@@ -58,6 +58,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "Queue",
+    "RateLimited",
     "RequestTimeout",
     "Task",
     "TaskboardError",
@@ -185,6 +186,19 @@ class Throttled(TaskboardError):
         self.retry_after = retry_after
 
 
+class RateLimited(TaskboardError):
+    """429 rate_limited: you created more tasks, or wrote more comments, in the last minute
+    than the server's per-user rate allows (``TASKBOARD_CREATE_RATE``,
+    ``TASKBOARD_COMMENT_RATE``). Nothing was done; the same request is accepted after
+    ``retry_after`` seconds (the server's ``Retry-After``). Not retried by the client: the
+    wait can be a minute or more, longer than a caller may want to be held.
+    """
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kwargs: Any) -> None:
+        super().__init__(detail, **kwargs)
+        self.retry_after = retry_after
+
+
 class Unavailable(TaskboardError):
     """503, or no answer at all (connection refused, timed out), after the retries;
     ``retry_after``: the 503's Retry-After, in seconds."""
@@ -208,6 +222,7 @@ _BY_CODE: dict[str, type[TaskboardError]] = {
     "invalid_transition": InvalidTransition,
     "idempotency_conflict": IdempotencyConflict,
     "forbidden_queue": ForbiddenQueue,
+    "rate_limited": RateLimited,
 }
 
 
@@ -221,7 +236,7 @@ RETRIED_STATUSES = frozenset({503}) | GATEWAY_ERRORS
 def error_from_response(response: httpx.Response) -> TaskboardError:
     """Return the exception for an error ``response`` (any status >= 400)."""
     error = _error_from_response(response)
-    if isinstance(error, Throttled | Unavailable):
+    if isinstance(error, Throttled | RateLimited | Unavailable):
         with contextlib.suppress(ValueError):
             error.retry_after = float(response.headers.get("Retry-After", ""))
     return error
