@@ -544,23 +544,44 @@ class TaskFilterSerializer(serializers.Serializer[Any]):
     )
 
 
+# A page stops growing once its rows' JSON reaches this many bytes (always one row at
+# least), whatever its ``limit``: a thousand tasks of a megabyte each are not one answer.
+PAGE_BYTES = 4 * 1024 * 1024
+
+
+def page_limit_field() -> QueryIntegerField:
+    """A list's ``limit``, which large rows can cut short (board.api.views.keyset_page)."""
+    return QueryIntegerField(
+        required=False,
+        min_value=1,
+        max_value=1000,
+        default=100,
+        help_text=(
+            "The most rows the page holds; fewer when rows are large: a page stops before "
+            f"the row that would take its JSON past {PAGE_BYTES // 2**20} MiB (it always "
+            "holds one row at least), and its `next` continues after the last row it holds. "
+            "Follow `next` until it is null rather than counting rows."
+        ),
+    )
+
+
 class EventFilterSerializer(serializers.Serializer[Any]):
     after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
     task = QueryIntegerField(required=False, min_value=1, max_value=2**63 - 1)
     type = serializers.ChoiceField(choices=EventType.choices, required=False)
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
 
 
 class TaskEventFilterSerializer(serializers.Serializer[Any]):
     after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
 
 
 class TaskListPageSerializer(serializers.Serializer[Any]):
     before = QueryIntegerField(
         required=False, min_value=1, max_value=2**63 - 1, help_text="Tasks with a smaller id."
     )
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
 
 
 class TaskPageSerializer(serializers.Serializer[Any]):

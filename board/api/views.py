@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, cast
 
 from django.db.models import QuerySet
@@ -18,6 +20,7 @@ from rest_framework import exceptions, permissions, serializers, status, viewset
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.utils.encoders import JSONEncoder as DRFJSONEncoder
 from rest_framework.utils.urls import replace_query_param
 
 from access import rates
@@ -85,30 +88,75 @@ ERRORS_403 = {
 }
 
 
+# Rows read in a page's first batch; later batches are sized by the bytes per row seen so
+# far. Small, so that a page of large rows loads few more of them than it keeps.
+FIRST_BATCH = 16
+
+
+def json_size(data: Any) -> int:
+    """Return the bytes ``data`` takes in the API's JSON (DRF's renderer: UTF-8, compact)."""
+    text = json.dumps(data, cls=DRFJSONEncoder, ensure_ascii=False, separators=(",", ":"))
+    return len(text.encode())
+
+
 def keyset_page(
     request: Request,
     queryset: QuerySet[Any],
     *,
     limit: int,
+    render: Callable[[Any], dict[str, Any]],
     after: int | None = None,
     before: int | None = None,
-) -> tuple[list[Any], str | None]:
-    """Return one page of ``queryset`` and the URL of the next one, or None at the end.
+    budget: int = s.PAGE_BYTES,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Return one page of ``queryset``, each row rendered, and the URL of the next page, or
+    None at the end.
 
     Keyset pagination on the primary key: ascending from ``after``, or descending from
     ``before`` when ``after`` is None. Each page is an index range scan, as fast at the
     millionth row as at the first, and a page never repeats or skips a row.
+
+    A page holds ``limit`` rows, or fewer when they are large: it stops before the row that
+    would take its JSON past ``budget`` bytes (the first row is always kept), and ``next``
+    continues after the last row it holds. Rows are read in batches, so that large rows past
+    the budget are not all loaded to be dropped.
     """
     if after is not None:
-        queryset, param = queryset.filter(id__gt=after).order_by("id"), "after"
+        ordered, param, newer = queryset.order_by("id"), "after", "id__gt"
+        queryset = ordered.filter(id__gt=after)
     else:
-        queryset = queryset.filter(id__lt=before) if before else queryset
-        queryset, param = queryset.order_by("-id"), "before"
-    rows = list(queryset[: limit + 1])
-    if len(rows) <= limit:
-        return rows, None
-    rows = rows[:limit]
-    return rows, replace_query_param(request.build_absolute_uri(), param, rows[-1].id)
+        ordered, param, newer = queryset.order_by("-id"), "before", "id__lt"
+        queryset = ordered.filter(id__lt=before) if before else ordered
+    results: list[dict[str, Any]] = []
+    size = 0
+    last: int | None = None
+    batch = FIRST_BATCH
+    while True:
+        # One row more than the page needs tells whether another page follows.
+        wanted = min(batch, limit + 1 - len(results))
+        rows = list((queryset if last is None else ordered.filter(**{newer: last}))[:wanted])
+        for row in rows:
+            if len(results) == limit:
+                return results, replace_query_param(request.build_absolute_uri(), param, last)
+            data = render(row)
+            row_size = json_size(data) + 1  # and its comma
+            if results and size + row_size > budget:
+                return results, replace_query_param(request.build_absolute_uri(), param, last)
+            results.append(data)
+            size += row_size
+            last = row.id
+        if len(rows) < wanted:
+            return results, None
+        # As many rows as the budget still has room for, at the bytes per row seen so far.
+        batch = max(1, (budget - size) * len(results) // max(size, 1)) + 1
+
+
+def render_task(task: Task) -> dict[str, Any]:
+    return s.render(s.TaskSerializer, task)
+
+
+def render_event(event: TaskEvent) -> dict[str, Any]:
+    return s.render(s.EventSerializer, event)
 
 
 class BoardViewSet(viewsets.GenericViewSet[Any]):
@@ -222,8 +270,10 @@ class TaskViewSet(BoardViewSet):
             tasks = cast(TaskQuerySet, tasks).blocked(filters["blocked"] == "true")
         if "depends_on" in filters:
             tasks = tasks.filter(dependencies__depends_on_id=filters["depends_on"])
-        rows, next_url = keyset_page(request, tasks, limit=page["limit"], before=page.get("before"))
-        return Response({"results": s.render_many(s.TaskSerializer, rows), "next": next_url})
+        results, next_url = keyset_page(
+            request, tasks, limit=page["limit"], before=page.get("before"), render=render_task
+        )
+        return Response({"results": results, "next": next_url})
 
     def retrieve(self, request: Request, pk: str) -> Response:
         return Response(s.render(s.TaskSerializer, self.get_object()))
@@ -474,13 +524,14 @@ class TaskViewSet(BoardViewSet):
     def events(self, request: Request, pk: str) -> Response:
         task = self.get_object()
         params = self.query(s.TaskEventFilterSerializer)
-        rows, next_url = keyset_page(
+        results, next_url = keyset_page(
             request,
             TaskEvent.objects.filter(task=task),
             after=params["after"],
             limit=params["limit"],
+            render=render_event,
         )
-        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})
 
 
 class EventViewSet(BoardViewSet):
@@ -503,8 +554,10 @@ class EventViewSet(BoardViewSet):
             events = events.filter(task_id=params["task"])
         if "type" in params:
             events = events.filter(type=params["type"])
-        rows, next_url = keyset_page(request, events, after=params["after"], limit=params["limit"])
-        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
+        results, next_url = keyset_page(
+            request, events, after=params["after"], limit=params["limit"], render=render_event
+        )
+        return Response({"results": results, "next": next_url})
 
 
 ERRORS_403_STAFF = {
@@ -624,10 +677,14 @@ class WebhookViewSet(BoardViewSet):
     )
     def list(self, request: Request) -> Response:
         page = self.query(s.TaskListPageSerializer)
-        rows, next_url = keyset_page(
-            request, self.get_queryset(), limit=page["limit"], before=page.get("before")
+        results, next_url = keyset_page(
+            request,
+            self.get_queryset(),
+            limit=page["limit"],
+            before=page.get("before"),
+            render=lambda webhook: s.render(s.WebhookSerializer, webhook),
         )
-        return Response({"results": s.render_many(s.WebhookSerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})
 
     @extend_schema(
         summary="Add a webhook (staff)",
@@ -683,10 +740,11 @@ class WebhookViewSet(BoardViewSet):
     def deliveries(self, request: Request, pk: str) -> Response:
         webhook = self.get_object()
         page = self.query(s.TaskListPageSerializer)
-        rows, next_url = keyset_page(
+        results, next_url = keyset_page(
             request,
             Delivery.objects.filter(webhook=webhook),
             limit=page["limit"],
             before=page.get("before"),
+            render=lambda delivery: s.render(s.DeliverySerializer, delivery),
         )
-        return Response({"results": s.render_many(s.DeliverySerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})
