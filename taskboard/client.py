@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 API = "/api/v1"
 STREAM_PATH = f"{API}/stream/"
 USER_AGENT = "taskboard-client/0.1"
+# The most queues GET queues/ answers at once.
+QUEUE_PAGE = 1000
 # Seconds the server may hold a waiting claim (the contract's maximum ``wait``).
 MAX_WAIT = 60.0
 
@@ -846,8 +848,21 @@ class Client:
     # -- queues and agents ---------------------------------------------------------------
 
     def queues(self) -> list[Queue]:
-        """Return every queue that has tasks, with its counts and whether it is paused."""
-        return [Queue.from_json(q) for q in _items(self._request("GET", "/queues/"))]
+        """Return every queue that has tasks, with its counts and whether it is paused.
+
+        The server answers at most ``QUEUE_PAGE`` queues at a time, by name; a full page
+        is followed by the next (``after`` its last name) until one is not full.
+        """
+        queues: list[Queue] = []
+        params: dict[str, Any] = {"limit": QUEUE_PAGE}
+        while True:
+            page = [
+                Queue.from_json(q) for q in _items(self._request("GET", "/queues/", params=params))
+            ]
+            queues += page
+            if len(page) < QUEUE_PAGE:
+                return queues
+            params = {"limit": QUEUE_PAGE, "after": page[-1].name}
 
     def pause_queue(self, name: str, *, note: str | None = None) -> Queue:
         """Staff: stop handing out the queue's tasks (leases already held run on)."""

@@ -205,6 +205,17 @@ def test_the_holder_fails_releases_and_escalates_its_tasks(board: Client) -> Non
 
 
 @live
+def test_queues_reads_every_page_of_queues(
+    board: Client, agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "QUEUE_PAGE", 2)
+    for name in ("e", "d", "c", "b", "a"):
+        transitions.create(actor=agent, title="t", queue=name)
+
+    assert [q.name for q in board.queues()] == ["a", "b", "c", "d", "e"]
+
+
+@live
 def test_staff_requeue_resolve_and_cancel_and_agents_may_not(
     board: Client, staff_board: Client
 ) -> None:

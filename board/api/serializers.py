@@ -584,6 +584,26 @@ class TaskListPageSerializer(serializers.Serializer[Any]):
     limit = page_limit_field()
 
 
+# Queues a page of GET queues/ holds at most (and by default): a queue is a few hundred
+# bytes, so a page stays under half a megabyte however many queues agents have made.
+MAX_QUEUE_PAGE = 1000
+
+
+class QueuePageSerializer(serializers.Serializer[Any]):
+    after = queue_field(required=False, help_text="Queues whose names sort after this one.")
+    limit = QueryIntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_QUEUE_PAGE,
+        default=MAX_QUEUE_PAGE,
+        help_text=(
+            "The most queues the answer holds. When more follow, the answer's `Link` header "
+            'names the next page (`rel="next"`: the same list with `after` set to the last '
+            "name of this one)."
+        ),
+    )
+
+
 class TaskPageSerializer(serializers.Serializer[Any]):
     results = TaskSerializer(many=True)
     next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")

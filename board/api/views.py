@@ -581,13 +581,35 @@ class QueueViewSet(BoardViewSet):
         summary="Every queue that has tasks, with its counts",
         description=(
             "Read from counters that every transition keeps in step, never a scan of the "
-            "tasks: as fast with millions of finished tasks as with ten."
+            "tasks: as fast with millions of finished tasks as with ten. Paged by name: "
+            "at most `limit` queues, and a `Link` header to the next page when more follow."
         ),
-        responses={200: s.QueueSerializer(many=True)},
+        parameters=[
+            s.QueuePageSerializer,
+            OpenApiParameter(
+                "Link",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                response=[200],
+                description=(
+                    'When more queues follow: `<url>; rel="next"`, the next page. Absent on '
+                    "the last page."
+                ),
+            ),
+        ],
+        responses={200: s.QueueSerializer(many=True), **ERRORS_400},
     )
     def list(self, request: Request) -> Response:
-        queues = glance.queue_list(self.access)
-        return Response(s.render_many(s.QueueSerializer, queues))
+        page = self.query(s.QueuePageSerializer)
+        limit = page["limit"]
+        queues = glance.queue_list(self.access, after=page.get("after"), limit=limit + 1)
+        response = Response(s.render_many(s.QueueSerializer, queues[:limit]))
+        if len(queues) > limit:
+            url = replace_query_param(
+                request.build_absolute_uri(), "after", queues[limit - 1]["name"]
+            )
+            response["Link"] = f'<{url}>; rel="next"'
+        return response
 
     def _set_paused(self, name: str, paused: bool) -> Response:
         self.access.check(name)
