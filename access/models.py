@@ -1,4 +1,5 @@
-"""API tokens, stored as SHA-256 digests, and the counts of failed authentications.
+"""API tokens, stored as SHA-256 digests, the counts of failed authentications, and the
+writes each user made lately (access.rates).
 
 Why a model of our own rather than ``rest_framework.authtoken`` (plain-text keys) or
 django-rest-knox (hashed): the contract keeps one token per user with
@@ -58,3 +59,25 @@ class AuthFailure(models.Model):
 
     def __str__(self) -> str:
         return f"{self.failures} failures from {self.address} in the window to {self.window_end}"
+
+
+class WriteCount(models.Model):
+    """The tasks one user created, or the comments one user wrote (``kind``), in one time
+    window.
+
+    UNLOGGED like auth_failures (migration 0002): counts are worth no WAL. Written only by
+    access.rates, one upsert per create or comment.
+    """
+
+    pk = models.CompositePrimaryKey("window_end", "user_id", "kind")
+    window_end = models.DateTimeField()
+    # The user's id, not a foreign key: a count must not hold up deleting a user.
+    user_id = models.BigIntegerField()
+    kind = models.TextField()
+    count = models.IntegerField()
+
+    class Meta:
+        db_table = "write_counts"
+
+    def __str__(self) -> str:
+        return f"{self.count} {self.kind} by user {self.user_id} in the window to {self.window_end}"

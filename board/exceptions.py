@@ -102,6 +102,23 @@ class ForbiddenQueue(BoardError):
         )
 
 
+class RateLimited(BoardError):
+    """A user made more writes of one kind (creates, comments) in the last minute than its
+    rate allows (access.rates); nothing was done. ``retry_after``: seconds until it fits."""
+
+    code = "rate_limited"
+
+    def __init__(self, kind: str, limit: int, retry_after: int) -> None:
+        self.kind = kind
+        self.limit = limit
+        self.retry_after = retry_after
+        did = "created more tasks" if kind == "create" else "wrote more comments"
+        super().__init__(
+            f"Rate limited: you {did} in the last minute than the rate allows ({limit} a "
+            f"minute per user). Nothing was done; try again in {retry_after} seconds."
+        )
+
+
 class InvalidTask(BoardError, ValueError):
     """A value broke one of the tasks table's constraints."""
 

@@ -14,21 +14,30 @@ from board.sql import QUERIES
 COUNTS = ("pending", "blocked", "in_progress", "escalated", "done", "cancelled")
 
 
-def _rows(name: str, access: QueueAccess | None) -> list[dict[str, Any]]:
+def _rows(name: str, access: QueueAccess | None, **extra: Any) -> list[dict[str, Any]]:
     queues = sorted(access.queues or ()) if access is not None and access.limited else None
-    params: dict[str, Any] = {"all_queues": queues is None, "queues": queues or []}
+    params: dict[str, Any] = {"all_queues": queues is None, "queues": queues or [], **extra}
     with connection.cursor() as cursor:
         cursor.execute(QUERIES[name], params)
         columns = [col.name for col in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
 
-def queue_list(access: QueueAccess | None = None, name: str | None = None) -> list[dict[str, Any]]:
+def queue_list(
+    access: QueueAccess | None = None,
+    name: str | None = None,
+    *,
+    after: str | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
     """Every queue that has tasks or was paused (those ``access`` may see), by name:
     ``{"name", "paused", "counts": {...}, "oldest_pending_at"}`` plus who last paused or
-    resumed it (``changed_at``, ``changed_by``, ``note``; None if nobody ever did)."""
+    resumed it (``changed_at``, ``changed_by``, ``note``; None if nobody ever did).
+
+    ``after``, ``limit``: only the first ``limit`` queues whose names sort after ``after``
+    (a page of them; None: no bound)."""
     queues = []
-    for row in _rows("queue_list", access):
+    for row in _rows("queue_list", access, after=after, limit=limit):
         if name is not None and row["name"] != name:
             continue
         queues.append(

@@ -58,6 +58,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "Queue",
+    "RateLimited",
     "RequestTimeout",
     "Task",
     "TaskboardError",
@@ -71,6 +72,8 @@ logger = logging.getLogger(__name__)
 API = "/api/v1"
 STREAM_PATH = f"{API}/stream/"
 USER_AGENT = "taskboard-client/0.1"
+# The most queues GET queues/ answers at once.
+QUEUE_PAGE = 1000
 # Seconds the server may hold a waiting claim (the contract's maximum ``wait``).
 MAX_WAIT = 60.0
 
@@ -185,6 +188,19 @@ class Throttled(TaskboardError):
         self.retry_after = retry_after
 
 
+class RateLimited(TaskboardError):
+    """429 rate_limited: you created more tasks, or wrote more comments, in the last minute
+    than the server's per-user rate allows (``TASKBOARD_CREATE_RATE``,
+    ``TASKBOARD_COMMENT_RATE``). Nothing was done; the same request is accepted after
+    ``retry_after`` seconds (the server's ``Retry-After``). Not retried by the client: the
+    wait can be a minute or more, longer than a caller may want to be held.
+    """
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kwargs: Any) -> None:
+        super().__init__(detail, **kwargs)
+        self.retry_after = retry_after
+
+
 class Unavailable(TaskboardError):
     """503, or no answer at all (connection refused, timed out), after the retries;
     ``retry_after``: the 503's Retry-After, in seconds."""
@@ -208,6 +224,7 @@ _BY_CODE: dict[str, type[TaskboardError]] = {
     "invalid_transition": InvalidTransition,
     "idempotency_conflict": IdempotencyConflict,
     "forbidden_queue": ForbiddenQueue,
+    "rate_limited": RateLimited,
 }
 
 
@@ -221,7 +238,7 @@ RETRIED_STATUSES = frozenset({503}) | GATEWAY_ERRORS
 def error_from_response(response: httpx.Response) -> TaskboardError:
     """Return the exception for an error ``response`` (any status >= 400)."""
     error = _error_from_response(response)
-    if isinstance(error, Throttled | Unavailable):
+    if isinstance(error, Throttled | RateLimited | Unavailable):
         with contextlib.suppress(ValueError):
             error.retry_after = float(response.headers.get("Retry-After", ""))
     return error
@@ -831,8 +848,21 @@ class Client:
     # -- queues and agents ---------------------------------------------------------------
 
     def queues(self) -> list[Queue]:
-        """Return every queue that has tasks, with its counts and whether it is paused."""
-        return [Queue.from_json(q) for q in _items(self._request("GET", "/queues/"))]
+        """Return every queue that has tasks, with its counts and whether it is paused.
+
+        The server answers at most ``QUEUE_PAGE`` queues at a time, by name; a full page
+        is followed by the next (``after`` its last name) until one is not full.
+        """
+        queues: list[Queue] = []
+        params: dict[str, Any] = {"limit": QUEUE_PAGE}
+        while True:
+            page = [
+                Queue.from_json(q) for q in _items(self._request("GET", "/queues/", params=params))
+            ]
+            queues += page
+            if len(page) < QUEUE_PAGE:
+                return queues
+            params = {"limit": QUEUE_PAGE, "after": page[-1].name}
 
     def pause_queue(self, name: str, *, note: str | None = None) -> Queue:
         """Staff: stop handing out the queue's tasks (leases already held run on)."""

@@ -404,6 +404,12 @@ TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int(
     "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60, minimum=1
 )
 
+# Tasks a user may create, and comments write, a minute, counted in the database across
+# every server process (access.rates); beyond, 429 rate_limited with Retry-After. 0: no
+# limit.
+TASKBOARD_CREATE_RATE = env_int("TASKBOARD_CREATE_RATE", 6000, minimum=0)
+TASKBOARD_COMMENT_RATE = env_int("TASKBOARD_COMMENT_RATE", 600, minimum=0)
+
 # Seconds an MCP session over Streamable HTTP (/mcp/) may be idle (no request in flight, no
 # open stream) before it ends and its leases stop being renewed (board.mcp_http). The SDK's
 # client keeps a stream open for as long as it runs, so this is how long a vanished client's

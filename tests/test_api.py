@@ -1764,3 +1764,89 @@ def test_json_nests_at_most_100_levels_deep(agent_api: APIClient, held: tuple[in
     )
     assert_invalid(response, "result")
     assert Task.objects.get(id=task_id).status == "in_progress"
+
+
+# -- Pages bounded in bytes -----------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_page_of_large_tasks_stops_at_its_byte_budget_and_next_goes_on(
+    agent_api: APIClient, agent: Any
+) -> None:
+    from board.api.serializers import PAGE_BYTES
+
+    megabyte = "x" * 1_000_000
+    made = [
+        transitions.create(actor=agent, title=f"big {n}", description=megabyte) for n in range(9)
+    ]
+
+    sizes, pages, url = [], [], f"{API}/tasks/?limit=1000"
+    while url is not None:
+        response = agent_api.get(url)
+        assert response.status_code == 200, response.content[:300]
+        sizes.append(len(response.content))
+        pages.append([t["id"] for t in response.json()["results"]])
+        url = response.json()["next"]
+        assert len(pages) <= 9
+
+    assert [len(page) for page in pages] == [4, 4, 1]  # 4 MiB hold four of a million bytes
+    assert max(sizes) <= PAGE_BYTES
+    assert [i for page in pages for i in page] == [t.id for t in reversed(made)]
+
+
+@pytest.mark.django_db
+def test_a_page_of_small_rows_still_holds_its_whole_limit(agent_api: APIClient, agent: Any) -> None:
+    made = [transitions.create(actor=agent, title=f"t{n}") for n in range(45)]
+
+    pages = walk_pages(agent_api, f"{API}/tasks/?limit=40")
+    assert [len(page) for page in pages] == [40, 5]
+    assert [t["id"] for page in pages for t in page] == [t.id for t in reversed(made)]
+    # Exactly the limit's worth of rows: no next page after it.
+    assert len(walk_pages(agent_api, f"{API}/tasks/?limit=45")) == 1
+
+
+@pytest.mark.django_db
+def test_a_task_larger_than_the_budget_is_a_page_of_its_own(
+    agent_api: APIClient, agent: Any
+) -> None:
+    big = 1_100_000  # four fields of it are more than the 4 MiB budget
+    small = transitions.create(actor=agent, title="small")
+    huge = transitions.create(
+        actor=agent,
+        title="huge",
+        queue="huge",
+        description="y" * big,
+        payload={"z": "z" * big},
+    )
+    result = {"r": "r" * big}
+    [held] = transitions.claim(actor=agent, queues=[huge.queue])
+    transitions.heartbeat(
+        task_id=huge.pk, actor=agent, lease_token=held.lease_token, progress={"p": "p" * big}
+    )
+    transitions.complete(task_id=huge.pk, actor=agent, lease_token=held.lease_token, result=result)
+    transitions.create(
+        actor=agent,
+        title="bigger",
+        description="b" * big,
+        payload={"z": "z" * big},
+    )
+
+    pages = walk_pages(agent_api, f"{API}/tasks/?limit=100")
+    assert [[t["title"] for t in page] for page in pages] == [["bigger"], ["huge"], ["small"]]
+    assert pages[-1][0]["id"] == small.pk
+
+
+@pytest.mark.django_db
+def test_a_page_of_events_with_large_results_stops_at_its_byte_budget(
+    agent_api: APIClient, agent: Any
+) -> None:
+    for n in range(5):
+        task = transitions.create(actor=agent, title=f"t{n}", queue=f"q{n}")
+        [held] = transitions.claim(actor=agent, queues=[task.queue])
+        transitions.complete(
+            task_id=task.pk, actor=agent, lease_token=held.lease_token, result="r" * 1_000_000
+        )
+
+    pages = walk_pages(agent_api, f"{API}/events/?type=completed&limit=1000")
+    assert [len(page) for page in pages] == [4, 1]
+    assert [e["type"] for page in pages for e in page] == ["completed"] * 5

@@ -21,7 +21,7 @@ from board.models import QueuePause, Task, TaskEvent
 from board.sql import QUERIES
 from tests.factories import StaffFactory, TokenFactory, UserFactory
 from tests.live import LiveServer
-from tests.test_api import TASK_FIELDS, assert_error, get, post
+from tests.test_api import API, TASK_FIELDS, assert_error, get, post
 
 pytestmark = pytest.mark.django_db
 
@@ -397,7 +397,7 @@ def test_oldest_pending_at_is_one_index_step_past_any_number_of_scheduled_tasks(
         cursor.execute("ANALYZE tasks")
         cursor.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + QUERIES["queue_list"],
-            {"all_queues": True, "queues": []},
+            {"all_queues": True, "queues": [], "after": None, "limit": None},
         )
         plan = cursor.fetchone()[0][0]["Plan"]
 
@@ -408,6 +408,44 @@ def test_oldest_pending_at_is_one_index_step_past_any_number_of_scheduled_tasks(
     assert read and all(n["Node Type"] == "Index Scan" for n in read), read
     assert all(n["Actual Rows"] <= 1 for n in read), read
     assert all(n.get("Rows Removed by Filter", 0) == 0 for n in read), read
+
+
+def test_queues_come_in_pages_by_name_with_a_link_to_the_next(
+    agent_api: APIClient, agent: Any
+) -> None:
+    for name in ("c", "a", "e", "b", "d"):
+        transitions.create(actor=agent, title="t", queue=name)
+
+    pages, url = [], f"{API}/queues/?limit=2"
+    while url:
+        response = agent_api.get(url)
+        assert response.status_code == 200, response.content
+        pages.append([q["name"] for q in response.json()])
+        link = response.get("Link")
+        url = link[1 : link.index(">")] if link else None
+        assert link is None or link.endswith('>; rel="next"')
+    assert pages == [["a", "b"], ["c", "d"], ["e"]]
+    assert [q["name"] for q in get(agent_api, "queues/", after="b", limit=1).json()] == ["c"]
+    assert_error(get(agent_api, "queues/", after="Not A Queue!"), 400, "invalid")
+    assert_error(get(agent_api, "queues/", limit=1001), 400, "invalid")
+
+
+def test_two_thousand_queues_answer_a_bounded_page_and_a_link_to_the_rest(
+    agent_api: APIClient, agent: Any
+) -> None:
+    from taskboard.client import QUEUE_PAGE
+
+    names = sorted(f"q{n:04}" for n in range(2000))
+    for name in names:
+        transitions.create(actor=agent, title="t", queue=name)
+
+    response = get(agent_api, "queues/")
+    assert [q["name"] for q in response.json()] == names[:QUEUE_PAGE]
+    assert len(response.content) < 250_000  # 2,000 queues answered 353 kB in one
+    assert "after=q0999" in response["Link"]
+    rest = agent_api.get(response["Link"][1 : response["Link"].index(">")])
+    assert [q["name"] for q in rest.json()] == names[QUEUE_PAGE:]
+    assert "Link" not in rest
 
 
 def test_a_limited_agent_sees_only_its_queues(

@@ -42,6 +42,7 @@ from taskboard.client import (
     PayloadTooLarge,
     PermissionDenied,
     Queue,
+    RateLimited,
     Task,
     TaskboardError,
     Throttled,
@@ -201,6 +202,17 @@ def test_the_holder_fails_releases_and_escalates_its_tasks(board: Client) -> Non
 
     escalated = board.escalate(to_escalate, "needs a human")
     assert (escalated.status, escalated.last_error) == ("escalated", "needs a human")
+
+
+@live
+def test_queues_reads_every_page_of_queues(
+    board: Client, agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "QUEUE_PAGE", 2)
+    for name in ("e", "d", "c", "b", "a"):
+        transitions.create(actor=agent, title="t", queue=name)
+
+    assert [q.name for q in board.queues()] == ["a", "b", "c", "d", "e"]
 
 
 @live
@@ -1062,6 +1074,45 @@ def test_a_throttled_answer_raises_throttled_with_retry_after_and_is_not_retried
     assert len(script.requests) == 1 and pauses == []
     assert (refused.value.status, refused.value.code) == (429, "throttled")
     assert refused.value.retry_after == 17.0
+
+
+def test_a_rate_limited_answer_raises_rate_limited_with_retry_after_and_is_not_retried(
+    pauses: list[float],
+) -> None:
+    limited = httpx.Response(
+        429,
+        json={"error": "rate_limited", "detail": "Rate limited: ... try again in 42 seconds."},
+        headers={"Retry-After": "42"},
+    )
+    script = Script(limited, httpx.Response(201, json=TASK_JSON))
+
+    with pytest.raises(RateLimited) as refused:
+        scripted(script).create("t")
+
+    assert isinstance(refused.value, TaskboardError) and not isinstance(refused.value, Throttled)
+    assert len(script.requests) == 1 and pauses == []
+    assert (refused.value.status, refused.value.code) == (429, "rate_limited")
+    assert refused.value.retry_after == 42.0
+
+
+@live
+def test_creates_and_comments_past_the_rate_raise_rate_limited(
+    board: Client, settings: Any
+) -> None:
+    settings.TASKBOARD_CREATE_RATE = 1
+    settings.TASKBOARD_COMMENT_RATE = 1
+    task = board.create("one")
+    board.comment(task, "first")
+
+    with pytest.raises(RateLimited) as created:
+        board.create("two")
+    with pytest.raises(RateLimited) as commented:
+        board.comment(task, "second")
+
+    for refused in (created.value, commented.value):
+        assert (refused.status, refused.code) == (429, "rate_limited")
+        assert refused.retry_after is not None and 1 <= refused.retry_after <= 120
+    assert [t.title for t in board.list_tasks().results] == ["one"]
 
 
 def test_a_request_sent_without_an_answer_is_repeated_only_when_that_is_harmless(

@@ -46,6 +46,10 @@ PHASES = "examples,coverage,fuzzing,stateful"
 SERVER_ENVIRONMENT: dict[str, str] = {
     # Its 429 is stated in the document and tested in tests/test_tokens.py.
     "TASKBOARD_AUTH_FAILURE_LIMIT": "0",
+    # Nor are its creates and comments refused for their rate (tests/test_rates.py): the
+    # fuzzer makes them as fast as the server answers.
+    "TASKBOARD_CREATE_RATE": "0",
+    "TASKBOARD_COMMENT_RATE": "0",
     # The fuzzer adds webhooks to any URL the schema admits (http://16777217 is a public
     # address): their deliveries go to a proxy that refuses them, never out of the machine.
     **dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"), "http://127.0.0.1:9"),

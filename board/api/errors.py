@@ -18,6 +18,7 @@ from board.exceptions import (
     IdempotencyConflict,
     InvalidTransition,
     LeaseLost,
+    RateLimited,
     TaskNotFound,
 )
 from board.middleware import database_unavailable, error_response, is_database_outage
@@ -83,6 +84,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         return Response(
             {"error": exc.code, "detail": str(exc), "task_id": exc.task_id},
             status=status.HTTP_409_CONFLICT,
+        )
+    if isinstance(exc, RateLimited):
+        return Response(
+            {"error": exc.code, "detail": str(exc)},
+            status=status.HTTP_429_TOO_MANY_REQUESTS,
+            headers={"Retry-After": str(exc.retry_after)},
         )
     if isinstance(exc, ForbiddenQueue):
         return Response({"error": exc.code, "detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)

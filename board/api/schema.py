@@ -421,6 +421,8 @@ def postprocess(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
                 if status in responses:
                     if response["description"] not in responses[status]["description"]:
                         responses[status]["description"] += " Or: " + response["description"]
+                    for name, header in response.get("headers", {}).items():
+                        responses[status].setdefault("headers", {}).setdefault(name, header)
                 else:
                     responses[status] = response
             for status, response in responses.items():

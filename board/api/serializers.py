@@ -544,23 +544,64 @@ class TaskFilterSerializer(serializers.Serializer[Any]):
     )
 
 
+# A page stops growing once its rows' JSON reaches this many bytes (always one row at
+# least), whatever its ``limit``: a thousand tasks of a megabyte each are not one answer.
+PAGE_BYTES = 4 * 1024 * 1024
+
+
+def page_limit_field() -> QueryIntegerField:
+    """A list's ``limit``, which large rows can cut short (board.api.views.keyset_page)."""
+    return QueryIntegerField(
+        required=False,
+        min_value=1,
+        max_value=1000,
+        default=100,
+        help_text=(
+            "The most rows the page holds; fewer when rows are large: a page stops before "
+            f"the row that would take its JSON past {PAGE_BYTES // 2**20} MiB (it always "
+            "holds one row at least), and its `next` continues after the last row it holds. "
+            "Follow `next` until it is null rather than counting rows."
+        ),
+    )
+
+
 class EventFilterSerializer(serializers.Serializer[Any]):
     after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
     task = QueryIntegerField(required=False, min_value=1, max_value=2**63 - 1)
     type = serializers.ChoiceField(choices=EventType.choices, required=False)
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
 
 
 class TaskEventFilterSerializer(serializers.Serializer[Any]):
     after = QueryIntegerField(required=False, min_value=0, default=0, max_value=2**63 - 1)
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
 
 
 class TaskListPageSerializer(serializers.Serializer[Any]):
     before = QueryIntegerField(
         required=False, min_value=1, max_value=2**63 - 1, help_text="Tasks with a smaller id."
     )
-    limit = QueryIntegerField(required=False, min_value=1, max_value=1000, default=100)
+    limit = page_limit_field()
+
+
+# Queues a page of GET queues/ holds at most (and by default): a queue is a few hundred
+# bytes, so a page stays under half a megabyte however many queues agents have made.
+MAX_QUEUE_PAGE = 1000
+
+
+class QueuePageSerializer(serializers.Serializer[Any]):
+    after = queue_field(required=False, help_text="Queues whose names sort after this one.")
+    limit = QueryIntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_QUEUE_PAGE,
+        default=MAX_QUEUE_PAGE,
+        help_text=(
+            "The most queues the answer holds. When more follow, the answer's `Link` header "
+            'names the next page (`rel="next"`: the same list with `after` set to the last '
+            "name of this one)."
+        ),
+    )
 
 
 class TaskPageSerializer(serializers.Serializer[Any]):

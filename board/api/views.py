@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, cast
 
 from django.db.models import QuerySet
@@ -18,8 +20,10 @@ from rest_framework import exceptions, permissions, serializers, status, viewset
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.utils.encoders import JSONEncoder as DRFJSONEncoder
 from rest_framework.utils.urls import replace_query_param
 
+from access import rates
 from board import queues as glance
 from board import transitions, waiting
 from board.access import QueueAccess, queue_access
@@ -54,6 +58,23 @@ ERRORS_409_TRANSITION = {
         description="invalid_transition: the task's status does not allow this action.",
     )
 }
+
+
+def errors_429_rate(setting: str, what: str) -> dict[int, OpenApiResponse]:
+    """The refusal of a write past the user's rate (access.rates); its ``Retry-After``
+    header is declared with the other 429's (board.api.schema)."""
+    return {
+        429: OpenApiResponse(
+            s.ErrorSerializer,
+            description=(
+                f"rate_limited: more {what} in the last minute than `{setting}` "
+                "allows per user (0 turns it off). Nothing was done; try again after the "
+                "`Retry-After` header's seconds."
+            ),
+        )
+    }
+
+
 FORBIDDEN_QUEUE = "forbidden_queue: your agent is limited to other queues (create_agent --queues)."
 ERRORS_403_QUEUE = {403: OpenApiResponse(s.ErrorSerializer, description=FORBIDDEN_QUEUE)}
 ERRORS_403 = {
@@ -67,30 +88,75 @@ ERRORS_403 = {
 }
 
 
+# Rows read in a page's first batch; later batches are sized by the bytes per row seen so
+# far. Small, so that a page of large rows loads few more of them than it keeps.
+FIRST_BATCH = 16
+
+
+def json_size(data: Any) -> int:
+    """Return the bytes ``data`` takes in the API's JSON (DRF's renderer: UTF-8, compact)."""
+    text = json.dumps(data, cls=DRFJSONEncoder, ensure_ascii=False, separators=(",", ":"))
+    return len(text.encode())
+
+
 def keyset_page(
     request: Request,
     queryset: QuerySet[Any],
     *,
     limit: int,
+    render: Callable[[Any], dict[str, Any]],
     after: int | None = None,
     before: int | None = None,
-) -> tuple[list[Any], str | None]:
-    """Return one page of ``queryset`` and the URL of the next one, or None at the end.
+    budget: int = s.PAGE_BYTES,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Return one page of ``queryset``, each row rendered, and the URL of the next page, or
+    None at the end.
 
     Keyset pagination on the primary key: ascending from ``after``, or descending from
     ``before`` when ``after`` is None. Each page is an index range scan, as fast at the
     millionth row as at the first, and a page never repeats or skips a row.
+
+    A page holds ``limit`` rows, or fewer when they are large: it stops before the row that
+    would take its JSON past ``budget`` bytes (the first row is always kept), and ``next``
+    continues after the last row it holds. Rows are read in batches, so that large rows past
+    the budget are not all loaded to be dropped.
     """
     if after is not None:
-        queryset, param = queryset.filter(id__gt=after).order_by("id"), "after"
+        ordered, param, newer = queryset.order_by("id"), "after", "id__gt"
+        queryset = ordered.filter(id__gt=after)
     else:
-        queryset = queryset.filter(id__lt=before) if before else queryset
-        queryset, param = queryset.order_by("-id"), "before"
-    rows = list(queryset[: limit + 1])
-    if len(rows) <= limit:
-        return rows, None
-    rows = rows[:limit]
-    return rows, replace_query_param(request.build_absolute_uri(), param, rows[-1].id)
+        ordered, param, newer = queryset.order_by("-id"), "before", "id__lt"
+        queryset = ordered.filter(id__lt=before) if before else ordered
+    results: list[dict[str, Any]] = []
+    size = 0
+    last: int | None = None
+    batch = FIRST_BATCH
+    while True:
+        # One row more than the page needs tells whether another page follows.
+        wanted = min(batch, limit + 1 - len(results))
+        rows = list((queryset if last is None else ordered.filter(**{newer: last}))[:wanted])
+        for row in rows:
+            if len(results) == limit:
+                return results, replace_query_param(request.build_absolute_uri(), param, last)
+            data = render(row)
+            row_size = json_size(data) + 1  # and its comma
+            if results and size + row_size > budget:
+                return results, replace_query_param(request.build_absolute_uri(), param, last)
+            results.append(data)
+            size += row_size
+            last = row.id
+        if len(rows) < wanted:
+            return results, None
+        # As many rows as the budget still has room for, at the bytes per row seen so far.
+        batch = max(1, (budget - size) * len(results) // max(size, 1)) + 1
+
+
+def render_task(task: Task) -> dict[str, Any]:
+    return s.render(s.TaskSerializer, task)
+
+
+def render_event(event: TaskEvent) -> dict[str, Any]:
+    return s.render(s.EventSerializer, event)
 
 
 class BoardViewSet(viewsets.GenericViewSet[Any]):
@@ -176,6 +242,7 @@ class BoardViewSet(viewsets.GenericViewSet[Any]):
                 s.ErrorSerializer,
                 description="idempotency_conflict: the key was used before with another body.",
             ),
+            **errors_429_rate("TASKBOARD_CREATE_RATE", "tasks created"),
         },
     ),
 )
@@ -203,8 +270,10 @@ class TaskViewSet(BoardViewSet):
             tasks = cast(TaskQuerySet, tasks).blocked(filters["blocked"] == "true")
         if "depends_on" in filters:
             tasks = tasks.filter(dependencies__depends_on_id=filters["depends_on"])
-        rows, next_url = keyset_page(request, tasks, limit=page["limit"], before=page.get("before"))
-        return Response({"results": s.render_many(s.TaskSerializer, rows), "next": next_url})
+        results, next_url = keyset_page(
+            request, tasks, limit=page["limit"], before=page.get("before"), render=render_task
+        )
+        return Response({"results": results, "next": next_url})
 
     def retrieve(self, request: Request, pk: str) -> Response:
         return Response(s.render(s.TaskSerializer, self.get_object()))
@@ -218,6 +287,7 @@ class TaskViewSet(BoardViewSet):
         data = self.validated(s.TaskCreateSerializer)
         self.access.check(data.get("queue", "default"))
         self._check_tasks_exist(data)
+        rates.spend(request.user, rates.Write.CREATE)
         task, created = transitions.create_once(actor=request.user, idempotency_key=key, **data)
         return Response(
             s.render(s.TaskSerializer, task),
@@ -243,14 +313,20 @@ class TaskViewSet(BoardViewSet):
             "any status. It appears on the stream like every other event."
         ),
         request=s.CommentSerializer,
-        responses={201: s.EventSerializer, **ERRORS_400, **ERRORS_403_QUEUE, **ERRORS_404},
+        responses={
+            201: s.EventSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **errors_429_rate("TASKBOARD_COMMENT_RATE", "comments"),
+        },
     )
     @action(detail=True, methods=["post"])
     def comments(self, request: Request, pk: str) -> Response:
         self.access.check_task(int(pk))
-        event = transitions.comment(
-            task_id=int(pk), actor=request.user, **self.validated(s.CommentSerializer)
-        )
+        data = self.validated(s.CommentSerializer)
+        rates.spend(request.user, rates.Write.COMMENT)
+        event = transitions.comment(task_id=int(pk), actor=request.user, **data)
         return Response(s.render(s.EventSerializer, event), status=status.HTTP_201_CREATED)
 
     @extend_schema(
@@ -448,13 +524,14 @@ class TaskViewSet(BoardViewSet):
     def events(self, request: Request, pk: str) -> Response:
         task = self.get_object()
         params = self.query(s.TaskEventFilterSerializer)
-        rows, next_url = keyset_page(
+        results, next_url = keyset_page(
             request,
             TaskEvent.objects.filter(task=task),
             after=params["after"],
             limit=params["limit"],
+            render=render_event,
         )
-        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})
 
 
 class EventViewSet(BoardViewSet):
@@ -477,8 +554,10 @@ class EventViewSet(BoardViewSet):
             events = events.filter(task_id=params["task"])
         if "type" in params:
             events = events.filter(type=params["type"])
-        rows, next_url = keyset_page(request, events, after=params["after"], limit=params["limit"])
-        return Response({"results": s.render_many(s.EventSerializer, rows), "next": next_url})
+        results, next_url = keyset_page(
+            request, events, after=params["after"], limit=params["limit"], render=render_event
+        )
+        return Response({"results": results, "next": next_url})
 
 
 ERRORS_403_STAFF = {
@@ -502,13 +581,35 @@ class QueueViewSet(BoardViewSet):
         summary="Every queue that has tasks, with its counts",
         description=(
             "Read from counters that every transition keeps in step, never a scan of the "
-            "tasks: as fast with millions of finished tasks as with ten."
+            "tasks: as fast with millions of finished tasks as with ten. Paged by name: "
+            "at most `limit` queues, and a `Link` header to the next page when more follow."
         ),
-        responses={200: s.QueueSerializer(many=True)},
+        parameters=[
+            s.QueuePageSerializer,
+            OpenApiParameter(
+                "Link",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                response=[200],
+                description=(
+                    'When more queues follow: `<url>; rel="next"`, the next page. Absent on '
+                    "the last page."
+                ),
+            ),
+        ],
+        responses={200: s.QueueSerializer(many=True), **ERRORS_400},
     )
     def list(self, request: Request) -> Response:
-        queues = glance.queue_list(self.access)
-        return Response(s.render_many(s.QueueSerializer, queues))
+        page = self.query(s.QueuePageSerializer)
+        limit = page["limit"]
+        queues = glance.queue_list(self.access, after=page.get("after"), limit=limit + 1)
+        response = Response(s.render_many(s.QueueSerializer, queues[:limit]))
+        if len(queues) > limit:
+            url = replace_query_param(
+                request.build_absolute_uri(), "after", queues[limit - 1]["name"]
+            )
+            response["Link"] = f'<{url}>; rel="next"'
+        return response
 
     def _set_paused(self, name: str, paused: bool) -> Response:
         self.access.check(name)
@@ -598,10 +699,14 @@ class WebhookViewSet(BoardViewSet):
     )
     def list(self, request: Request) -> Response:
         page = self.query(s.TaskListPageSerializer)
-        rows, next_url = keyset_page(
-            request, self.get_queryset(), limit=page["limit"], before=page.get("before")
+        results, next_url = keyset_page(
+            request,
+            self.get_queryset(),
+            limit=page["limit"],
+            before=page.get("before"),
+            render=lambda webhook: s.render(s.WebhookSerializer, webhook),
         )
-        return Response({"results": s.render_many(s.WebhookSerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})
 
     @extend_schema(
         summary="Add a webhook (staff)",
@@ -657,10 +762,11 @@ class WebhookViewSet(BoardViewSet):
     def deliveries(self, request: Request, pk: str) -> Response:
         webhook = self.get_object()
         page = self.query(s.TaskListPageSerializer)
-        rows, next_url = keyset_page(
+        results, next_url = keyset_page(
             request,
             Delivery.objects.filter(webhook=webhook),
             limit=page["limit"],
             before=page.get("before"),
+            render=lambda delivery: s.render(s.DeliverySerializer, delivery),
         )
-        return Response({"results": s.render_many(s.DeliverySerializer, rows), "next": next_url})
+        return Response({"results": results, "next": next_url})

@@ -4,6 +4,8 @@
 -- name: queue_list
 -- Every queue that has tasks or was ever paused, with its counts summed over the shards.
 -- %(all_queues)s is a literal true or false: a user limited to queues sees only its own.
+-- A page of them: the first %(limit)s (null: all) whose names sort after %(after)s (null:
+-- from the first); the oldest pending task is looked up for those only.
 WITH counts AS (
     SELECT queue,
            sum(pending) AS pending, sum(blocked) AS blocked,
@@ -39,7 +41,9 @@ SELECT n.name,
 FROM names n
 LEFT JOIN counts c ON c.queue = n.name
 LEFT JOIN queue_states s ON s.name = n.name
-ORDER BY n.name;
+WHERE %(after)s::text IS NULL OR n.name > %(after)s::text
+ORDER BY n.name
+LIMIT %(limit)s;
 
 -- name: agent_list
 -- Every user that has claimed a task: the tasks it holds now (of the queues the reader
