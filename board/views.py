@@ -7,9 +7,10 @@ other event, so the page neither misses what happened between drawing and connec
 applies anything twice. A holder's changes go through the REST API
 (``board/static/board/board.js``), which calls ``board.transitions``.
 
-Two plain HTML forms post here instead, and work without the script: a comment on a task's
-page (any user who may see the task) and pausing or resuming a queue in the board's queues
-panel (staff). Each calls its transition and redirects back.
+Plain HTML forms post here instead, and work without the script: a comment on a task's
+page (any user who may see the task), requeuing, resolving or cancelling an escalated task
+on its page (those who may triage, escalations.triage) and pausing or resuming a queue in
+the board's queues panel (staff). Each calls its transition and redirects back.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from django.contrib.auth.forms import PasswordResetForm
 from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 from django.db.models import Count, QuerySet
+from django.forms import Form
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
@@ -39,12 +41,13 @@ from board import conf, transitions
 from board.access import QueueAccess, queue_access
 from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
-from board.exceptions import ForbiddenQueue, TaskNotFound
+from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
 from board.queues import agent_list, queue_list
 from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
+from escalations.triage import TRIAGES, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
 OPEN_COLUMN_LIMIT = 200
@@ -265,9 +268,15 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 def _task_page(
-    request: HttpRequest, pk: int, *, form: CommentForm | None = None, status: int = 200
+    request: HttpRequest,
+    pk: int,
+    *,
+    form: CommentForm | None = None,
+    triage_form: Form | None = None,
+    status: int = 200,
 ) -> HttpResponse:
-    """Render a task's page, with ``form`` (a comment that was refused) if given."""
+    """Render a task's page, with ``form`` (a comment that was refused) or ``triage_form``
+    (a requeue, resolve or cancel that was refused) if given."""
     access = queue_access(request.user)
     horizon = stream_horizon()
     with page_snapshot():
@@ -295,6 +304,8 @@ def _task_page(
             "events": events,
             "relations": relations,
             "comment_form": form or CommentForm(),
+            "can_triage": may_triage(request.user),
+            "triage_form": triage_form,
             "now": timezone.now(),
         },
         status=status,
@@ -327,6 +338,34 @@ def comment(request: HttpRequest, pk: int) -> HttpResponse:
     except TaskNotFound as exc:
         raise Http404("No such task.") from exc
     return HttpResponseRedirect(f"{reverse('board:task', args=[pk])}#event-{event.pk}")
+
+
+@require_POST
+@login_required
+def triage(request: HttpRequest, pk: int, name: str) -> HttpResponse:
+    """Requeue, resolve or cancel an escalated task (``name``), as the escalation queue in
+    the admin does and with the same transitions, then show the task's page again."""
+    if not may_triage(request.user):
+        raise PermissionDenied("Only staff who may triage requeue, resolve or cancel.")
+    way_out = TRIAGES.get(name)
+    if way_out is None:
+        raise Http404("No such action.")
+    visible = queue_access(request.user).visible(Task.objects.all())
+    if not visible.filter(pk=pk).exists():
+        raise Http404("No such task.")
+    fields: dict[str, Any] = {}
+    if way_out.form_class is not None:
+        form = way_out.form_class(request.POST)
+        if not form.is_valid():
+            return _task_page(request, pk, triage_form=form, status=400)
+        fields = form.cleaned_data
+    try:
+        task = way_out.transition(task_id=pk, actor=request.user, **fields)
+    except (InvalidTransition, TaskNotFound) as exc:
+        messages.warning(request, str(exc))
+    else:
+        messages.success(request, f"{way_out.done} {task}.")
+    return HttpResponseRedirect(reverse("board:task", args=[pk]))
 
 
 def _set_paused(request: HttpRequest, name: str, *, paused: bool) -> HttpResponse:

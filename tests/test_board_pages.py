@@ -21,7 +21,7 @@ from board import transitions
 from board.access import limit_queues
 from board.models import QueuePause, QueueState, Task, TaskEvent
 from board.views import stream_head_id, stream_horizon
-from tests.factories import StaffFactory, UserFactory
+from tests.factories import StaffFactory, UserFactory, grant
 
 pytestmark = pytest.mark.django_db
 
@@ -887,3 +887,122 @@ def test_commenting_on_a_missing_task_is_a_404_and_a_get_is_refused(
 ) -> None:
     assert browser.post("/tasks/999999/comments/", {"body": "hi"}).status_code == 404
     assert browser.get(f"/tasks/{make_task().id}/comments/").status_code == 405
+
+
+# -- Triage of an escalated task ------------------------------------------------------------
+
+
+@pytest.fixture
+def escalated_task(make_task: Callable[..., Task], agent: Any) -> Task:
+    task = make_task(title="stuck import", queue="imports", max_failures=1)
+    [claim] = transitions.claim(actor=agent, queues=["imports"])
+    return transitions.fail(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad file"
+    )
+
+
+@pytest.fixture
+def triager(db: None) -> Any:
+    return grant(StaffFactory(username="ops-alice"), "escalations.triage_task")
+
+
+def triage_panel(html: str) -> str:
+    match = re.search(r'<section class="panel triage-panel".*?</section>', html, re.S)
+    return match.group(0) if match else ""
+
+
+def test_a_triager_sees_requeue_resolve_cancel_and_the_queue_link_on_an_escalated_task(
+    triager: Any, escalated_task: Task
+) -> None:
+    html = logged_in(triager).get(f"/tasks/{escalated_task.id}/").content.decode()
+
+    panel = triage_panel(html)
+    assert panel, "the page offers triage"
+    assert " hidden" not in panel.split(">", 1)[0]
+    for name in ("requeue", "resolve", "cancel"):
+        assert f'formaction="/tasks/{escalated_task.id}/{name}/"' in panel
+    assert 'href="/admin/escalations/escalatedtask/"' in panel
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "status", "event"),
+    [
+        ("requeue", {"note": ""}, "pending", "requeued"),
+        ("resolve", {"note": "fixed by hand", "result": '{"rows": 3}'}, "done", "resolved"),
+        ("cancel", {"note": "not needed"}, "cancelled", "cancelled"),
+    ],
+)
+def test_a_triager_requeues_resolves_or_cancels_an_escalated_task_from_its_page(
+    triager: Any,
+    escalated_task: Task,
+    name: str,
+    fields: dict[str, str],
+    status: str,
+    event: str,
+) -> None:
+    client = logged_in(triager)
+
+    response = client.post(f"/tasks/{escalated_task.id}/{name}/", fields)
+
+    assert response.status_code == 302
+    assert response["Location"] == f"/tasks/{escalated_task.id}/"
+    task = Task.objects.get(pk=escalated_task.id)
+    assert task.status == status
+    last = TaskEvent.objects.filter(task=task).latest("id")
+    assert (last.type, last.actor) == (event, "ops-alice")
+    if name == "resolve":
+        assert task.result == {"rows": 3}
+        assert last.payload["note"] == "fixed by hand"
+    page = client.get(response["Location"]).content.decode()
+    assert "triage-panel" in page
+    assert " hidden" in triage_panel(page).split(">", 1)[0], "no longer escalated"
+
+
+def test_a_resolve_without_a_note_is_refused_on_the_page_and_changes_nothing(
+    triager: Any, escalated_task: Task
+) -> None:
+    response = logged_in(triager).post(f"/tasks/{escalated_task.id}/resolve/", {"note": ""})
+
+    assert response.status_code == 400
+    assert 'role="alert"' in triage_panel(response.content.decode())
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+def test_triage_of_a_task_no_longer_escalated_says_so_and_changes_nothing(
+    triager: Any, escalated_task: Task, staff: Any
+) -> None:
+    transitions.resolve(task_id=escalated_task.id, actor=staff, note="done elsewhere")
+    client = logged_in(triager)
+
+    response = client.post(f"/tasks/{escalated_task.id}/requeue/", {"note": ""}, follow=True)
+
+    assert Task.objects.get(pk=escalated_task.id).status == "done"
+    assert f"Cannot requeue task {escalated_task.id}: it is done" in response.content.decode()
+    assert TaskEvent.objects.filter(task_id=escalated_task.id).latest("id").type == "resolved"
+
+
+@pytest.mark.parametrize("who", ["staff", "agent"])
+def test_who_may_not_triage_sees_no_triage_and_is_refused_a_post(
+    who: str, escalated_task: Task, staff: Any, agent: Any
+) -> None:
+    client = logged_in({"staff": staff, "agent": agent}[who])
+
+    html = client.get(f"/tasks/{escalated_task.id}/").content.decode()
+
+    assert "triage-panel" not in html
+    assert "/admin/escalations/" not in html
+    for name in ("requeue", "resolve", "cancel"):
+        response = client.post(f"/tasks/{escalated_task.id}/{name}/", {"note": "x"})
+        assert response.status_code == 403
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+def test_a_triager_limited_to_other_queues_cannot_triage_the_task(
+    triager: Any, escalated_task: Task
+) -> None:
+    limit_queues(triager, ["ours"])
+
+    response = logged_in(triager).post(f"/tasks/{escalated_task.id}/requeue/", {"note": ""})
+
+    assert response.status_code == 404
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"

@@ -1175,6 +1175,9 @@
       lease.textContent = "";
       field("stalled").hidden = true;
       field("blocked").hidden = !task.blocked;
+      // Shown only to those who may triage (the server draws it for them alone).
+      const triage = field("triage-panel");
+      if (triage) triage.hidden = task.status !== "escalated";
       const deadline = deadlineOf(task);
       const deadlineNode = field("deadline");
       deadlineNode.hidden = !deadline;
