@@ -43,10 +43,11 @@ from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
-from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
+from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
 from board.queues import agent_list, queue_list
 from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
+from board.templatetags.board_extras import progress_text
 from escalations.triage import TRIAGES, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
@@ -168,9 +169,26 @@ def queue_filter(request: HttpRequest) -> str | None:
     return queue if re.match(QUEUE_PATTERN, queue) else None
 
 
-def _card(task: dict[str, Any]) -> dict[str, Any]:
-    """Return what a card shows of a serialized task: not its (possibly large) data."""
-    return {key: value for key, value in task.items() if key not in CARD_OMITS}
+def comment_counts(task_ids: list[int]) -> dict[int, int]:
+    """Return how many comments each of ``task_ids`` has (those with none are left out)."""
+    if not task_ids:
+        return {}
+    rows = (
+        TaskEvent.objects.filter(task_id__in=task_ids, type=EventType.COMMENTED)
+        .values_list("task_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return dict(rows)
+
+
+def _card(task: dict[str, Any], comments: dict[int, int]) -> dict[str, Any]:
+    """Return what a card shows of a serialized task: not its (possibly large) data, but
+    the start of its progress and how many comments it has."""
+    card = {key: value for key, value in task.items() if key not in CARD_OMITS}
+    card["progress_text"] = progress_text(task["progress"])
+    card["comments"] = comments.get(task["id"], 0)
+    return card
 
 
 def _stream_context(resume_id: int, skip: list[int]) -> dict[str, Any]:
@@ -216,6 +234,7 @@ def home(request: HttpRequest) -> HttpResponse:
         columns = {column.key: column.tasks(tasks) for column in COLUMNS}
         queues = sorted(visible.values_list("queue", flat=True).distinct().order_by())
         cards = [task for shown in columns.values() for task in shown]
+        comments = comment_counts([task.pk for task in cards])
         dependencies = dependencies_of(cards, access)
         queue_rows = queue_list(access)
         agents = visible_agents(access, request.user.get_username())
@@ -233,7 +252,7 @@ def home(request: HttpRequest) -> HttpResponse:
         "finished_limit": FINISHED_LIMIT,
         "agents_limit": AGENTS_LIMIT,
         "counts": counts,
-        "tasks": [_card(data) for data in TaskSerializer(cards, many=True).data],
+        "tasks": [_card(data, comments) for data in TaskSerializer(cards, many=True).data],
         "dependencies": dependencies,
         "queues": queue_rows,
         "agents": agents,
@@ -257,6 +276,7 @@ def home(request: HttpRequest) -> HttpResponse:
                 for column in COLUMNS
             ],
             "dependencies": dependencies,
+            "comments": comments,
             "queue_rows": queue_rows,
             "count_columns": QUEUE_COUNTS,
             "agents": agents,

@@ -1006,3 +1006,47 @@ def test_a_triager_limited_to_other_queues_cannot_triage_the_task(
 
     assert response.status_code == 404
     assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+# -- What a card shows: progress and comments -------------------------------------------
+
+
+def test_an_in_progress_card_shows_the_latest_progress_as_text_and_cards_count_comments(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    busy = make_task(title="busy", priority=2)
+    talked_about = make_task(title="waiting")
+    [claim] = transitions.claim(actor=agent)
+    progress = {"step": 2, "of": 5, "note": "x" * 500}
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress=progress
+    )
+    for body in ("why is this waiting?", "because"):
+        transitions.comment(task_id=talked_about.id, actor=agent, body=body)
+    transitions.comment(task_id=busy.id, actor=agent, body="on it")
+
+    html = browser.get("/").content.decode()
+
+    busy_card = card_html(html, busy.id)
+    shown = re.search(r'<p class="card-progress"[^>]*>(.*?)</p>', busy_card)
+    assert shown, "the in-progress card shows its progress"
+    assert shown.group(1).startswith("{&quot;note&quot;:&quot;xxx")
+    assert len(shown.group(1).replace("&quot;", '"')) == 120, "only its start"
+    assert "1 comment<" in busy_card
+    assert "2 comments<" in card_html(html, talked_about.id)
+    cards = {task["id"]: task for task in state_of(html)["tasks"]}
+    assert cards[busy.id]["progress_text"].startswith('{"note":"xxx')
+    assert "progress" not in cards[busy.id], "not the progress itself"
+    assert (cards[busy.id]["comments"], cards[talked_about.id]["comments"]) == (1, 2)
+
+
+def test_a_card_without_progress_or_comments_shows_neither(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="fresh")
+    transitions.claim(actor=agent)
+
+    card = card_html(browser.get("/").content.decode(), task.id)
+
+    assert "card-progress" not in card
+    assert "chip-comments" not in card

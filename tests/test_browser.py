@@ -631,3 +631,35 @@ def test_the_board_says_when_the_attempt_deadline_took_a_task_from_its_holder(
     ), "the page says what the server recorded"
     expired = TaskEvent.objects.get(task=task, type="expired")
     assert expired.payload["reason"] == "attempt_deadline"
+
+
+def test_cards_show_progress_and_comment_counts_as_they_change(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    busy = make_task(title="Resize images", queue="images")
+    waiting = make_task(title="Send the digest", queue="mail")
+    transitions.comment(task_id=waiting.id, actor=agent, body="before the page")
+    [claim] = transitions.claim(actor=agent, queues=["images"], lease_seconds=60)
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress={"step": 1}
+    )
+    log_in(page, person)
+    in_progress = card(page, "in_progress", busy.id)
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":1}')
+    expect(card(page, "pending", waiting.id).locator(".chip-comments")).to_have_text("1 comment")
+    expect(in_progress.locator(".chip-comments")).to_have_count(0)
+
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress="step 2 of 5"
+    )
+    expect(in_progress.locator(".card-progress")).to_have_text("step 2 of 5")
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress={"step": 3}
+    )
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":3}')
+
+    transitions.comment(task_id=waiting.id, actor=person, body="any news?")
+    transitions.comment(task_id=busy.id, actor=person, body="nice")
+    expect(card(page, "pending", waiting.id).locator(".chip-comments")).to_have_text("2 comments")
+    expect(in_progress.locator(".chip-comments")).to_have_text("1 comment")
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":3}')

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from django import template
+from django.utils.text import Truncator
 
 register = template.Library()
 
@@ -68,6 +69,23 @@ def blockers_for(task: Any, dependencies: dict[int, dict[str, Any]]) -> list[dic
 def compact_json(value: Any) -> str:
     """Return ``value`` as JSON on one line, keys sorted."""
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+# An in-progress card shows the start of the latest progress, as text.
+PROGRESS_TEXT_LIMIT = 120
+
+
+@register.filter
+def progress_text(progress: Any) -> str | None:
+    """Return the start of a task's progress as a card shows it: a string as it is, other
+    JSON on one line with its keys sorted, as board.js's ``progressText`` writes it."""
+    if progress is None:
+        return None
+    if isinstance(progress, str):
+        text = progress
+    else:
+        text = json.dumps(progress, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return Truncator(text).chars(PROGRESS_TEXT_LIMIT)
 
 
 @register.filter(name="timeline")

@@ -463,8 +463,25 @@
    * a transition does. An event sent without its task (a later event of the task has
    * committed, and follows with it) changes nothing. */
   function applyToTask(task, event) {
-    if (event.task) Object.assign(task, event.task);
+    if (!event.task) return task;
+    // A field too large for the stream is sent as null and named in ``elided``: keep what
+    // the page has, and let the page read the task if it shows that field.
+    const { elided = [], ...fresh } = event.task;
+    for (const name of elided) delete fresh[name];
+    Object.assign(task, fresh);
     return task;
+  }
+
+  /** The fields of ``event``'s task that the stream left out for their size. */
+  const elidedOf = (event) => event.task?.elided ?? [];
+
+  // A card shows the start of the latest progress, as board_extras.progress_text does.
+  const PROGRESS_TEXT_LIMIT = 120;
+
+  function progressText(progress) {
+    if (progress === null || progress === undefined) return null;
+    const text = typeof progress === "string" ? progress : JSON.stringify(sortedKeys(progress));
+    return truncate(text, PROGRESS_TEXT_LIMIT);
   }
 
   /** A link to a related task with its status: "#12 (in progress)". */
@@ -632,12 +649,19 @@
         task.blocked
           ? h("span", { class: "chip chip-blocked", title: "Not claimable until its dependencies are done" }, "blocked")
           : null,
+        task.comments
+          ? h("span", { class: "chip chip-comments", title: "Comments" },
+            `${task.comments} comment${task.comments === 1 ? "" : "s"}`)
+          : null,
         finished ? h("span", { class: `badge badge-${task.status}` }, label(task.status)) : null),
       h("a", { class: "card-title", href: url }, task.title),
       inProgress
         ? h("div", { class: "card-lease" },
           h("span", { class: "holder", title: "Holder" }, task.leased_by),
           h("span", { class: "lease", dataset: { until: task.leased_until } }))
+        : null,
+      inProgress && task.progress_text
+        ? h("p", { class: "card-progress", title: "Latest progress" }, task.progress_text)
         : null,
       deadline
         ? h("p", { class: "card-deadline" }, h("span", { class: "deadline", dataset: { deadline } }))
@@ -791,6 +815,14 @@
     return soon;
   }
 
+  /** Keep of a task's data what its card shows: the start of its progress (from
+   * ``progress``, unless the stream left it out for its size), not the data itself. */
+  function cardData(task, progress, elided) {
+    if (elided.includes("progress")) task.progress_text = "(progress too large to show here)";
+    else if (progress !== undefined) task.progress_text = progressText(progress);
+    for (const name of ["payload", "description", "result", "progress"]) delete task[name];
+  }
+
   function boardPage() {
     const columns = {};
     for (const section of document.querySelectorAll("[data-column]")) {
@@ -898,11 +930,17 @@
           foreign.add(id);
           return;
         }
+        // A new task has no comments; of another, the page does not know how many.
+        if (event.type === "created") task.comments = 0;
+        cardData(task, task.progress, task.elided ?? []);
+        delete task.elided;
       }
       // Where the page does not know the status before (a task beyond the columns), the
       // counts wait for the queues panel's next reading, which replaces them.
       const before = statusOf.has(id) ? statusOf.get(id) : event.type === "created" ? null : undefined;
       applyToTask(task, event);
+      if (event.task) cardData(task, event.task.progress, elidedOf(event));
+      if (event.type === "commented" && typeof task.comments === "number") task.comments += 1;
       Known.set({ id, title: task.title, status: task.status, blocked: task.blocked });
       if (task.blocked) await Known.learn(task.depends_on ?? []);
       index(task);
@@ -1214,6 +1252,11 @@
       seen.add(event.id);
       addToTimeline(timeline, event);
       applyToTask(task, event);
+      if (elidedOf(event).length) {
+        // The page shows every field: read what the stream left out.
+        const full = await fetchTask(task.id);
+        if (full) Object.assign(task, full);
+      }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
       Leases.check(task, event);
