@@ -14,9 +14,9 @@ from board.sql import QUERIES
 COUNTS = ("pending", "blocked", "in_progress", "escalated", "done", "cancelled")
 
 
-def _rows(name: str, access: QueueAccess | None) -> list[dict[str, Any]]:
+def _rows(name: str, access: QueueAccess | None, **extra: Any) -> list[dict[str, Any]]:
     queues = sorted(access.queues or ()) if access is not None and access.limited else None
-    params: dict[str, Any] = {"all_queues": queues is None, "queues": queues or []}
+    params: dict[str, Any] = {"all_queues": queues is None, "queues": queues or [], **extra}
     with connection.cursor() as cursor:
         cursor.execute(QUERIES[name], params)
         columns = [col.name for col in cursor.description]
@@ -27,22 +27,36 @@ def queue_list(access: QueueAccess | None = None, name: str | None = None) -> li
     """Every queue that has tasks or was paused (those ``access`` may see), by name:
     ``{"name", "paused", "counts": {...}, "oldest_pending_at"}`` plus who last paused or
     resumed it (``changed_at``, ``changed_by``, ``note``; None if nobody ever did)."""
-    queues = []
-    for row in _rows("queue_list", access):
-        if name is not None and row["name"] != name:
-            continue
-        queues.append(
-            {
-                "name": row["name"],
-                "paused": row["paused"],
-                "counts": {count: int(row[count]) for count in COUNTS},
-                "oldest_pending_at": row["oldest_pending_at"],
-                "changed_at": row["changed_at"],
-                "changed_by": row["changed_by"],
-                "note": row["note"],
-            }
-        )
-    return queues
+    return [
+        _queue(row) for row in _rows("queue_list", access) if name is None or row["name"] == name
+    ]
+
+
+def _queue(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": row["name"],
+        "paused": row["paused"],
+        "counts": {count: int(row[count]) for count in COUNTS},
+        "oldest_pending_at": row["oldest_pending_at"],
+        "changed_at": row["changed_at"],
+        "changed_by": row["changed_by"],
+        "note": row["note"],
+    }
+
+
+def queue_panel(access: QueueAccess | None, limit: int) -> tuple[list[dict[str, Any]], int]:
+    """Return the board's queues panel: at most ``limit`` queues as queue_list has them,
+    paused ones first, then the busiest (most open tasks), then by name; and how many
+    queues there are in all (those ``access`` may see)."""
+    rows = _rows("queue_panel", access, limit=limit)
+    return [_queue(row) for row in rows], int(rows[0]["queues_in_all"]) if rows else 0
+
+
+def queue_totals(access: QueueAccess | None, queue: str | None = None) -> dict[str, int]:
+    """Return the tasks per status (COUNTS) over the queues ``access`` may see, or over
+    ``queue`` alone, from the counters."""
+    [row] = _rows("queue_totals", access, queue=queue)
+    return {count: int(row[count]) for count in COUNTS}
 
 
 def queue_detail(name: str, access: QueueAccess | None = None) -> dict[str, Any]:

@@ -50,8 +50,10 @@ app_name = "board"
 
 urlpatterns = [
     path("", views.home, name="home"),
+    path("panels/", views.panels, name="panels"),
     path("tasks/<task_id:pk>/", views.task_detail, name="task"),
     path("tasks/<task_id:pk>/comments/", views.comment, name="comment"),
+    path("tasks/<task_id:pk>/events/<task_id:event_id>/", views.event_detail, name="event"),
     path("tasks/<task_id:pk>/<triage:name>/", views.triage, name="triage"),
     path("queues/<queue:name>/pause/", views.pause_queue, name="pause-queue"),
     path("queues/<queue:name>/resume/", views.resume_queue, name="resume-queue"),

@@ -30,7 +30,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 from django.db.models import Count, QuerySet
 from django.forms import Form
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
@@ -44,10 +44,11 @@ from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
-from board.queues import agent_list, queue_list
+from board.queues import agent_list, queue_panel, queue_totals
 from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
-from board.templatetags.board_extras import progress_text
+from board.templatetags.board_extras import EVENT_TEXT_LIMIT, progress_text
+from board.timeline import TimelineEntry, requested_page
 from escalations.triage import TRIAGES, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
@@ -72,6 +73,11 @@ QUEUE_COUNTS = [
 
 # The agents panel shows this many agents, those holding tasks and seen last first.
 AGENTS_LIMIT = 50
+# The queues panel (and the queue filter) shows this many queues: paused ones first, then
+# the busiest (board.queues.queue_panel); a note counts the rest.
+QUEUES_LIMIT = 50
+
+COUNTS_FROM_TOTALS = ("in_progress", "escalated", "done", "cancelled")
 
 COUNTS = [
     (TaskStatus.PENDING.value, "Pending"),
@@ -232,14 +238,14 @@ def home(request: HttpRequest) -> HttpResponse:
         tasks = visible.filter(queue=queue) if queue else visible
         counts = dict(tasks.values_list("status").annotate(n=Count("id")).order_by())
         columns = {column.key: column.tasks(tasks) for column in COLUMNS}
-        queues = sorted(visible.values_list("queue", flat=True).distinct().order_by())
         cards = [task for shown in columns.values() for task in shown]
         comments = comment_counts([task.pk for task in cards])
         dependencies = dependencies_of(cards, access)
-        queue_rows = queue_list(access)
+        queue_rows, queues_in_all = queue_panel(access, QUEUES_LIMIT)
         agents = visible_agents(access, request.user.get_username())
-    if queue and queue not in queues:
-        queues.append(queue)
+    # The filter offers the queues of the panel, and the one shown; any other is a name to
+    # type (the panel's note), so that neither grows with the number of queues.
+    queues = sorted({row["name"] for row in queue_rows} | ({queue} if queue else set()))
     counts = {status.value: counts.get(status.value, 0) for status in TaskStatus}
     can_pause = may_pause_queues(request.user)
     state = {
@@ -251,6 +257,8 @@ def home(request: HttpRequest) -> HttpResponse:
         "open_limit": OPEN_COLUMN_LIMIT,
         "finished_limit": FINISHED_LIMIT,
         "agents_limit": AGENTS_LIMIT,
+        "queues_limit": QUEUES_LIMIT,
+        "queues_in_all": queues_in_all,
         "counts": counts,
         "tasks": [_card(data, comments) for data in TaskSerializer(cards, many=True).data],
         "dependencies": dependencies,
@@ -278,12 +286,39 @@ def home(request: HttpRequest) -> HttpResponse:
             "dependencies": dependencies,
             "comments": comments,
             "queue_rows": queue_rows,
+            "queues_in_all": queues_in_all,
             "count_columns": QUEUE_COUNTS,
             "agents": agents,
             "can_pause": can_pause,
             "finished_limit": FINISHED_LIMIT,
             "now": timezone.now(),
         },
+    )
+
+
+@require_safe
+def panels(request: HttpRequest) -> HttpResponse:
+    """Return the board's queues and agents panels, and its counts (of ``?queue=``, or of
+    every queue), as JSON: what the open board reads again after events. As bounded as
+    the page: at most QUEUES_LIMIT queues and AGENTS_LIMIT agents."""
+    if not request.user.is_authenticated:
+        # The board's script reads a 401 as the end of its session (a redirect to the
+        # login page would read as a page it cannot parse).
+        return JsonResponse({"detail": "Not logged in."}, status=401)
+    access = queue_access(request.user)
+    queue_rows, queues_in_all = queue_panel(access, QUEUES_LIMIT)
+    totals = queue_totals(access, queue_filter(request))
+    return JsonResponse(
+        {
+            "queues": queue_rows,
+            "queues_in_all": queues_in_all,
+            "agents": visible_agents(access, request.user.get_username()),
+            # The board counts blocked tasks as pending, as their status says.
+            "counts": {
+                "pending": totals["pending"] + totals["blocked"],
+                **{status: totals[status] for status in COUNTS_FROM_TOTALS},
+            },
+        }
     )
 
 
@@ -303,7 +338,7 @@ def _task_page(
         resume_id = stream_head_id(horizon)
         visible = access.visible(Task.objects.all())
         task = get_object_or_404(visible, pk=pk)
-        events = list(TaskEvent.objects.filter(task=task).order_by("id"))
+        page = requested_page(task.pk, request.GET)
         skip = unstable_event_ids(horizon, task.pk)
         relations = relations_of(task, access)
     data = TaskSerializer(task).data
@@ -314,6 +349,10 @@ def _task_page(
         "lease_seconds": conf.lease_seconds(),
         "task": data,
         "relations": relations,
+        # Live events join the timeline only on its newest page.
+        "timeline_live": page.latest,
+        "event_count": page.total,
+        "event_text_limit": EVENT_TEXT_LIMIT,
     }
     return render(
         request,
@@ -321,7 +360,7 @@ def _task_page(
         {
             "state": state,
             "task": task,
-            "events": events,
+            "timeline_page": page,
             "relations": relations,
             "comment_form": form or CommentForm(),
             "can_triage": may_triage(request.user),
@@ -336,8 +375,20 @@ def _task_page(
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """Show one task, its payload, progress and result, its place in the work graph
-    (parent, children, dependencies, dependents) and its whole timeline, oldest first."""
+    (parent, children, dependencies, dependents) and its timeline, oldest first: its newest
+    events, or with ``?before=`` or ``?after=`` (an event id) the page of older or newer."""
     return _task_page(request, pk)
+
+
+@require_safe
+@login_required
+def event_detail(request: HttpRequest, pk: int, event_id: int) -> HttpResponse:
+    """Show one event of a task in full: the timeline cuts long texts short."""
+    visible = queue_access(request.user).visible(Task.objects.all())
+    task = get_object_or_404(visible, pk=pk)
+    event = get_object_or_404(TaskEvent.objects.filter(task=task), pk=event_id)
+    entry = TimelineEntry(event=event, first=event, ids=[event.pk])
+    return render(request, "board/event.html", {"task": task, "entry": entry, "full": True})
 
 
 @require_POST

@@ -1050,3 +1050,145 @@ def test_a_card_without_progress_or_comments_shows_neither(
 
     assert "card-progress" not in card
     assert "chip-comments" not in card
+
+
+# -- Bounded pages: however many queues, comments and events -----------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_the_board_shows_at_most_50_queues_and_stays_small_with_2000(
+    browser: Client, make_task: Callable[..., Task], agent: Any, staff: Any
+) -> None:
+    for n in range(2000):
+        make_task(title=f"t{n}", queue=f"queue-{n:04d}")
+    busiest = [make_task(queue="queue-1999") for _ in range(3)]
+    transitions.pause_queue(queue="queue-0007", actor=staff)
+
+    response = browser.get("/")
+
+    html = response.content.decode()
+    # The 200 pending cards it shows take most of it; each queue row took about 1.2 KB.
+    assert len(response.content) < 300_000, f"{len(response.content)} bytes"
+    rows = re.findall(r'<tr data-queue="([^"]+)"', html)
+    assert len(rows) == 50
+    assert rows[:2] == ["queue-0007", "queue-1999"], "paused first, then the busiest"
+    assert "Showing 50 of 2000 queues" in html
+    assert len(re.findall(r"<option value=", html)) == 51, "All queues, and the panel's"
+    assert len(state_of(html)["queues"]) == 50
+    assert state_of(html)["queues_in_all"] == 2000
+    filtered = browser.get("/?queue=queue-1234").content.decode()
+    assert '<option value="queue-1234" selected>' in filtered
+    assert len(busiest) == 3
+
+    panels = browser.get("/panels/")
+    assert len(panels.content) < 40_000, f"{len(panels.content)} bytes"
+    data = panels.json()
+    assert (len(data["queues"]), data["queues_in_all"]) == (50, 2000)
+    assert data["queues"][1] == {**data["queues"][1], "name": "queue-1999"}
+    assert data["counts"] == {
+        "pending": 2003,
+        "in_progress": 0,
+        "escalated": 0,
+        "done": 0,
+        "cancelled": 0,
+    }
+    one = browser.get("/panels/?queue=queue-1999").json()
+    assert one["counts"]["pending"] == 4
+
+
+def test_the_panels_answer_the_board_reads_again_is_for_people_logged_in(
+    client: Client, browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    make_task(queue="mail")
+    limited = UserFactory(username="limited")
+    limit_queues(limited, ["images"])
+    make_task(queue="images")
+
+    assert client.get("/panels/").status_code == 401
+    assert [queue["name"] for queue in browser.get("/panels/").json()["queues"]] == [
+        "images",
+        "mail",
+    ]
+    theirs = logged_in(limited).get("/panels/").json()
+    assert [queue["name"] for queue in theirs["queues"]] == ["images"]
+    assert theirs["counts"]["pending"] == 1
+
+
+def comments_on(task: Task, author: Any, count: int, size: int) -> None:
+    for n in range(count):
+        transitions.comment(task_id=task.id, actor=author, body=f"{n:04d} " + "x" * (size - 5))
+
+
+def event_ids_on(html: str) -> list[int]:
+    return [int(n) for n in re.findall(r'<li class="event [^"]*" id="event-(\d+)"', html)]
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_the_task_page_shows_50_events_at_a_time_and_pages_back_to_the_oldest(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="much discussed")
+    comments_on(task, agent, 1000, 10_000)
+    every = list(TaskEvent.objects.filter(task=task).order_by("id").values_list("id", flat=True))
+
+    response = browser.get(f"/tasks/{task.id}/")
+
+    html = response.content.decode()
+    assert len(response.content) < 150_000, f"{len(response.content)} bytes"
+    assert event_ids_on(html) == every[-50:], "the newest 50, oldest first"
+    assert re.search(r'data-field="event-count">1001<', html)
+    assert state_of(html)["timeline_live"] is True
+    assert "Show all of this event" in html, "a 10 KB comment is cut short"
+    assert "x" * 1001 not in html
+    seen, pages = event_ids_on(html), 1
+    while match := re.search(r'href="\?before=(\d+)#timeline"', html):
+        response = browser.get(f"/tasks/{task.id}/?before={match.group(1)}")
+        html = response.content.decode()
+        assert len(response.content) < 150_000
+        assert state_of(html)["timeline_live"] is False
+        seen = event_ids_on(html) + seen
+        pages += 1
+    assert seen == every, "every event once, down to the created one"
+    assert pages == 21
+    newer = re.search(r'href="\?after=(\d+)#timeline"', html)
+    assert newer
+    following = browser.get(f"/tasks/{task.id}/?after={newer.group(1)}").content.decode()
+    assert event_ids_on(following) == every[1:51]
+    oldest = browser.get(f"/tasks/{task.id}/?after=0").content.decode()
+    assert event_ids_on(oldest) == every[:50]
+
+    full = browser.get(f"/tasks/{task.id}/events/{every[-1]}/").content.decode()
+    assert "0999 " + "x" * 9995 in full
+
+
+def test_an_events_own_page_is_for_those_who_may_see_its_task(
+    make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(queue="theirs")
+    comments_on(task, agent, 1, 20)
+    event = TaskEvent.objects.filter(task=task).latest("id")
+    limited = UserFactory(username="limited")
+    limit_queues(limited, ["ours"])
+    other = make_task(queue="ours")
+
+    assert logged_in(limited).get(f"/tasks/{task.id}/events/{event.id}/").status_code == 404
+    assert logged_in(limited).get(f"/tasks/{other.id}/events/{event.id}/").status_code == 404
+    assert logged_in(agent).get(f"/tasks/{task.id}/events/{event.id}/").status_code == 200
+
+
+def test_a_heartbeats_large_progress_is_cut_short_in_the_timeline(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task()
+    [claim] = transitions.claim(actor=agent)
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"log": "y" * 50_000}
+    )
+
+    html = browser.get(f"/tasks/{task.id}/").content.decode()
+
+    timeline = html.split("data-timeline>", 1)[1].split("</ol>", 1)[0]
+    assert len(timeline) < 5_000
+    assert "Show all of this event" in timeline

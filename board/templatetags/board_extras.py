@@ -71,6 +71,23 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
 
 
+# A timeline shows this much of an event's text (a comment, each value of its data), and
+# links the event's own page, which shows all of it.
+EVENT_TEXT_LIMIT = 1000
+
+
+@register.filter
+def clip(text: str) -> str:
+    """Return the start of an event's text, as a timeline shows it (EVENT_TEXT_LIMIT)."""
+    return Truncator(text).chars(EVENT_TEXT_LIMIT)
+
+
+@register.filter
+def clipped(payload: dict[str, Any]) -> bool:
+    """Return whether a timeline cuts some text of an event's ``payload`` short."""
+    return any(len(text) > EVENT_TEXT_LIMIT for _, text, _ in event_data(payload))
+
+
 # An in-progress card shows the start of the latest progress, as text.
 PROGRESS_TEXT_LIMIT = 120
 

@@ -191,7 +191,10 @@
   }
 
   /** Call /api/v1/<path>; resolve to {ok, status, data} (data: the JSON body or null). */
-  async function api(method, path, body) {
+  const api = (method, path, body) => request(method, `/api/v1/${path}`, body);
+
+  /** Call ``url`` (the API, or a page's JSON); resolve as api() does. */
+  async function request(method, url, body) {
     const headers = { Accept: "application/json" };
     const options = { method, headers, credentials: "same-origin" };
     if (body !== undefined) {
@@ -201,7 +204,7 @@
     if (method !== "GET") headers["X-CSRFToken"] = csrfToken();
     let response;
     try {
-      response = await fetch(`/api/v1/${path}`, options);
+      response = await fetch(url, options);
     } catch {
       return { ok: false, status: 0, data: { detail: "The server could not be reached." } };
     }
@@ -567,7 +570,7 @@
           // Refused (a 503, or the session ended): EventSource gives up. Ask the API which
           // (a 401 there ends the page's session: sessionEnded); try again later unless so.
           show("offline", "Offline, retrying");
-          await api("GET", "queues/");
+          await request("GET", "/panels/");
           if (signedOut) return;
           setTimeout(open, delay);
           delay = Math.min(delay * 2, 30000);
@@ -745,21 +748,19 @@
       || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0);
   }
 
-  const results = (data) => (Array.isArray(data) ? data : data?.results ?? []);
-
-  /** Draw the panels from ``STATE``, then fetch them again soon after events; hand each
-   * reading of the queues to ``onQueues``. */
-  function glancePanels(onQueues = () => {}) {
+  /** Draw the panels from ``STATE``, then fetch them again (/panels/, as bounded as the
+   * page) soon after events; hand each reading's counts to ``onCounts``. */
+  function glancePanels(onCounts = () => {}) {
     const queuesBody = document.querySelector("[data-queues]");
     const agentsBody = document.querySelector("[data-agents]");
     if (!queuesBody || !agentsBody) return () => {};
 
-    function drawQueues(queues) {
+    function drawQueues(queues, inAll) {
       const rows = new Map([...queuesBody.children].map((row) => [row.dataset.queue, row]));
-      const sorted = [...queues].sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
-      const names = new Set(sorted.map((queue) => queue.name));
+      // In the server's order: paused ones first, then the busiest.
+      const names = new Set(queues.map((queue) => queue.name));
       for (const [name, row] of rows) if (!names.has(name)) row.remove();
-      sorted.forEach((queue, index) => {
+      queues.forEach((queue, index) => {
         const fresh = queueRow(queue);
         let row = rows.get(queue.name);
         if (row && row.classList.contains("paused") === Boolean(queue.paused)) {
@@ -778,6 +779,12 @@
         }
       });
       document.querySelector("[data-queues-empty]").hidden = queues.length > 0;
+      const more = document.querySelector("[data-queues-more]");
+      if (more) {
+        more.hidden = inAll <= queues.length;
+        more.querySelector("[data-queues-more-text]").textContent =
+          `Showing ${queues.length} of ${inAll} queues: paused ones, then the busiest.`;
+      }
     }
 
     function drawAgents(agents) {
@@ -786,7 +793,7 @@
       document.querySelector("[data-agents-empty]").hidden = agents.length > 0;
     }
 
-    drawQueues(STATE.queues ?? []);
+    drawQueues(STATE.queues ?? [], STATE.queues_in_all ?? 0);
     drawAgents(STATE.agents ?? []);
 
     let timer = null;
@@ -795,12 +802,12 @@
       timer = null;
       if (signedOut) return;
       last = Date.now();
-      const [queues, agents] = await Promise.all([api("GET", "queues/"), api("GET", "agents/")]);
-      if (queues.ok) {
-        drawQueues(results(queues.data));
-        onQueues(results(queues.data));
-      }
-      if (agents.ok) drawAgents(results(agents.data));
+      const query = STATE.queue ? `?queue=${encodeURIComponent(STATE.queue)}` : "";
+      const panels = await request("GET", `/panels/${query}`);
+      if (!panels.ok) return;
+      drawQueues(panels.data.queues, panels.data.queues_in_all);
+      drawAgents(panels.data.agents);
+      onCounts(panels.data.counts);
       refreshTimes(queuesBody.closest(".glance"));
     }
 
@@ -836,17 +843,9 @@
     // dependency id -> the ids of the drawn tasks that depend on it, to redraw their
     // "Waiting for" when it changes, and to read them again when it is requeued.
     const dependents = new Map();
-    const glanceSoon = glancePanels((queues) => {
+    const glanceSoon = glancePanels((fresh) => {
       // The server's counters are the truth; events move the counts in between.
-      const shown = queues.filter((queue) => !STATE.queue || queue.name === STATE.queue);
-      for (const status of Object.keys(counts)) counts[status] = 0;
-      for (const queue of shown) {
-        for (const [status, n] of Object.entries(queue.counts)) {
-          // The board counts blocked tasks as pending, as their status says.
-          const key = status === "blocked" ? "pending" : status;
-          if (key in counts) counts[key] += n;
-        }
-      }
+      for (const status of Object.keys(counts)) counts[status] = fresh[status] ?? 0;
       refreshCounts();
     });
 
@@ -906,6 +905,8 @@
     function addQueueOption(queue) {
       const select = document.getElementById("queue-select");
       if (!select || [...select.options].some((option) => option.value === queue)) return;
+      // As the server draws it, the filter offers no more queues than the panel shows.
+      if (select.options.length > (STATE.queues_limit ?? 50)) return;
       const options = [...select.options].slice(1);
       const next = options.find((option) => option.value > queue) ?? null;
       select.insertBefore(h("option", { value: queue }, queue), next);
@@ -1065,21 +1066,37 @@
 
   // -- A task's page ---------------------------------------------------------------------
 
-  /** An event's payload as key: value lines (strings as they are, the rest as JSON). */
-  function eventData(payload) {
-    const keys = Object.keys(payload).sort();
+  // A timeline shows this much of an event's text, and links the event's page for the rest
+  // (board_extras.clip).
+  const TEXT_LIMIT = STATE.event_text_limit ?? 1000;
+  const clip = (text) => truncate(text, TEXT_LIMIT);
+
+  /** An event's payload as key: value lines (strings as they are, the rest as JSON), long
+   * texts cut short; a value the stream left out for its size (``elided``) says so. */
+  function eventData(payload, elided) {
+    const keys = [...new Set([...Object.keys(payload), ...elided])].sort();
     if (!keys.length) return null;
     return h("dl", { class: "event-data" }, keys.map((key) => {
       const value = payload[key];
+      if (elided.includes(key)) {
+        return [h("dt", {}, key), h("dd", { class: "muted" }, "(too large to show here)")];
+      }
       if (typeof value === "string" && TIMESTAMP.test(value)) {
         return [h("dt", {}, key), h("dd", {}, h("time", { datetime: value }, absolute(value)))];
       }
       return [
         h("dt", {}, key),
         h("dd", { class: typeof value === "string" ? null : "mono" },
-          typeof value === "string" ? value : JSON.stringify(sortedKeys(value))),
+          clip(typeof value === "string" ? value : JSON.stringify(sortedKeys(value)))),
       ];
     }));
+  }
+
+  /** Whether the timeline cuts some of ``event`` short, or the stream left some out. */
+  function clipped(event) {
+    if ((event.elided ?? []).length) return true;
+    return Object.values(event.payload || {}).some((value) =>
+      (typeof value === "string" ? value : JSON.stringify(value)).length > TEXT_LIMIT);
   }
 
   /** A timeline entry: ``event``, or with ``run`` ({ids, firstAt}) the last heartbeat of a
@@ -1107,8 +1124,12 @@
         h("span", { class: `badge badge-${event.status}` }, label(event.status)),
         when),
       event.type === "commented"
-        ? h("p", { class: "comment-body" }, String(payload.body ?? ""))
-        : eventData(payload));
+        ? h("p", { class: "comment-body" }, clip(String(payload.body ?? "")))
+        : eventData(payload, event.elided ?? []),
+      clipped(event)
+        ? h("p", { class: "event-more" },
+          h("a", { href: `/tasks/${event.task_id}/events/${event.id}/` }, "Show all of this event"))
+        : null);
     if (run) refreshTimes(item);
     return item;
   }
@@ -1151,6 +1172,7 @@
     const timeline = document.querySelector("[data-timeline]");
     const field = (name) => document.querySelector(`[data-field="${name}"]`);
     for (const item of timeline.children) for (const id of entryIds(item)) seen.add(id);
+    let eventCount = STATE.event_count;
 
     const relations = STATE.relations ?? { parent: null, children: [], dependencies: [], dependents: [] };
     // Every related task by id (one task may be in two lists), kept current by events.
@@ -1237,8 +1259,7 @@
       field("result").hidden = !hasResult;
       field("result").textContent = hasResult ? prettyJSON(task.result) : "";
       field("no-result").hidden = hasResult;
-      field("event-count").textContent = [...timeline.children]
-        .reduce((sum, item) => sum + entryIds(item).length, 0);
+      field("event-count").textContent = eventCount;
       refreshLeases();
       refreshTimes();
     }
@@ -1250,7 +1271,9 @@
       }
       if (seen.has(event.id)) return;
       seen.add(event.id);
-      addToTimeline(timeline, event);
+      eventCount += 1;
+      // An older page of the timeline stays as it is: its "Newer events" lead on.
+      if (STATE.timeline_live) addToTimeline(timeline, event);
       applyToTask(task, event);
       if (elidedOf(event).length) {
         // The page shows every field: read what the stream left out.
