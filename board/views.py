@@ -49,7 +49,7 @@ from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summa
 from board.sql import QUERIES
 from board.templatetags.board_extras import EVENT_TEXT_LIMIT, progress_text
 from board.timeline import TimelineEntry, requested_page
-from escalations.triage import TRIAGES, may_triage
+from escalations.triage import TRIAGES, NoteForm, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
 OPEN_COLUMN_LIMIT = 200
@@ -424,12 +424,12 @@ def triage(request: HttpRequest, pk: int, name: str) -> HttpResponse:
     visible = queue_access(request.user).visible(Task.objects.all())
     if not visible.filter(pk=pk).exists():
         raise Http404("No such task.")
-    fields: dict[str, Any] = {}
-    if way_out.form_class is not None:
-        form = way_out.form_class(request.POST)
-        if not form.is_valid():
-            return _task_page(request, pk, triage_form=form, status=400)
-        fields = form.cleaned_data
+    # The page's one form has a note for each of the three (the admin's requeue is a
+    # button without one).
+    form = (way_out.form_class or NoteForm)(request.POST)
+    if not form.is_valid():
+        return _task_page(request, pk, triage_form=form, status=400)
+    fields = form.cleaned_data
     try:
         task = way_out.transition(task_id=pk, actor=request.user, **fields)
     except (InvalidTransition, TaskNotFound) as exc:
