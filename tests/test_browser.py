@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -663,3 +664,120 @@ def test_cards_show_progress_and_comment_counts_as_they_change(
     expect(card(page, "pending", waiting.id).locator(".chip-comments")).to_have_text("2 comments")
     expect(in_progress.locator(".chip-comments")).to_have_text("1 comment")
     expect(in_progress.locator(".card-progress")).to_have_text('{"step":3}')
+
+
+# What a panel's content needs beyond the room it has: buttons whose label is cut, cells
+# whose text is, tables wider than a container that cannot scroll them into view, and a
+# page wider than the window.
+CLIPPED = """() => {
+  const problems = [];
+  for (const node of document.querySelectorAll(".glance button, .glance .badge, .glance input")) {
+    if (node.scrollWidth > node.clientWidth + 1) {
+      problems.push(`${node.tagName} "${node.textContent || node.placeholder}": `
+        + `${node.scrollWidth} > ${node.clientWidth}`);
+    }
+  }
+  for (const table of document.querySelectorAll(".glance table")) {
+    const box = table.parentElement;
+    const scrolls = ["auto", "scroll"].includes(getComputedStyle(box).overflowX);
+    if (table.offsetWidth > box.clientWidth + 1 && !scrolls) {
+      const where = box.closest("section").id;
+      problems.push(`table in ${where}: ${table.offsetWidth} > ${box.clientWidth}`);
+    }
+    for (const cell of table.querySelectorAll("th, td")) {
+      if (cell.scrollWidth > cell.clientWidth + 1) {
+        const text = cell.textContent.trim();
+        problems.push(`cell "${text}": ${cell.scrollWidth} > ${cell.clientWidth}`);
+      }
+    }
+  }
+  const page = document.documentElement;
+  if (page.scrollWidth > page.clientWidth + 1) {
+    problems.push(`the page: ${page.scrollWidth} > ${page.clientWidth}`);
+  }
+  return problems;
+}"""
+
+# The glance tables' widths: [table width, its container's visible width, what it scrolls].
+TABLE_WIDTHS = """() => [...document.querySelectorAll(".glance table")].map((table) => [
+  table.offsetWidth, table.parentElement.clientWidth, table.parentElement.scrollWidth,
+])"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 390])
+def test_the_panels_fit_common_widths_without_cutting_their_content(
+    browser: Any,
+    server: LiveServer,
+    make_task: Callable[..., Task],
+    agent: Any,
+    other_agent: Any,
+    settings: Any,
+    width: int,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    for queue in ("images", "mail-digests", "billing-exports", "default"):
+        for n in range(12):
+            make_task(title=f"{queue} {n}", queue=queue)
+    for holder, queue in ((agent, "images"), (other_agent, "billing-exports")):
+        for claim in transitions.claim(actor=holder, queues=[queue], limit=3, lease_seconds=600):
+            transitions.heartbeat(
+                task_id=claim.task.pk, actor=holder, lease_token=claim.lease_token
+            )
+        [claim] = transitions.claim(actor=holder, queues=[queue], lease_seconds=600)
+        transitions.complete(task_id=claim.task.pk, actor=holder, lease_token=claim.lease_token)
+    transitions.pause_queue(queue="mail-digests", actor=admin, note="relay down")
+    context = browser.new_context(
+        base_url=server.url, viewport={"width": width, "height": 900}, device_scale_factor=1
+    )
+    page = context.new_page()
+    try:
+        log_in(page, admin)
+        expect(page.locator("[data-queues] tr")).to_have_count(4)
+        expect(page.locator("[data-agents] tr")).to_have_count(2)
+
+        shot = tmp_path / f"board-{width}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        page.locator(".glance").screenshot(path=str(tmp_path / f"panels-{width}.png"))
+        with capsys.disabled():
+            print(f"\nscreenshots at {width} px: {shot}, {tmp_path / f'panels-{width}.png'}")
+
+        assert page.evaluate(CLIPPED) == []
+        for table, visible, scrolled in page.evaluate(TABLE_WIDTHS):
+            assert table <= visible, "each table fits its panel: nothing is cut"
+            assert scrolled <= visible, "nothing to scroll sideways to"
+    finally:
+        context.close()
+
+
+def test_a_triager_requeues_an_escalated_task_from_its_page_on_the_board(
+    page: Page, make_task: Callable[..., Task], agent: Any, settings: Any, tmp_path: Path
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    task = make_task(title="Import prices", queue="imports", max_failures=1)
+    [claim] = transitions.claim(actor=agent, queues=["imports"])
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad file")
+    log_in(page, admin)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+
+    panel = page.locator('[data-field="triage-panel"]')
+    expect(panel).to_be_visible()
+    expect(panel.get_by_role("link", name="Open the escalation queue")).to_have_attribute(
+        "href", "/admin/escalations/escalatedtask/"
+    )
+    page.screenshot(path=str(tmp_path / "triage.png"), full_page=True)
+    panel.get_by_label("Note").fill("the file is fixed")
+    panel.get_by_role("button", name="Requeue").click()
+
+    expect(page.get_by_role("status").filter(has_text="Requeued")).to_be_visible()
+    expect(page.locator('[data-field="status"]')).to_have_text("pending")
+    expect(panel).to_be_hidden()
+    assert history(task.id)[-1] == ("requeued", "root")
+    assert TaskEvent.objects.filter(task_id=task.id).latest("id").payload["note"] == (
+        "the file is fixed"
+    )

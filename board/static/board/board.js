@@ -717,7 +717,7 @@
             h("input", { type: "hidden", name: "csrfmiddlewaretoken", value: csrfToken() }),
             h("input", { type: "hidden", name: "next", value: here }),
             h("input", {
-              class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note (optional)",
+              class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note",
               "aria-label": `Note on ${queue.name}`,
             }),
             h("button", {
