@@ -781,3 +781,37 @@ def test_a_triager_requeues_an_escalated_task_from_its_page_on_the_board(
     assert TaskEvent.objects.filter(task_id=task.id).latest("id").payload["note"] == (
         "the file is fixed"
     )
+
+
+def test_the_task_pages_timeline_pages_back_and_only_its_newest_page_grows_live(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Much discussed")
+    for n in range(60):
+        transitions.comment(task_id=task.id, actor=agent, body=f"comment {n}")
+    log_in(page, person)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+    timeline = page.locator("[data-timeline] .event")
+    expect(timeline).to_have_count(50)
+    expect(page.locator('[data-field="event-count"]')).to_have_text("61")
+
+    transitions.comment(task_id=task.id, actor=agent, body="long " + "x" * 5000)
+    expect(timeline).to_have_count(51)
+    newest = timeline.last
+    expect(newest.locator(".comment-body")).to_have_text("long " + "x" * 994 + "…")
+    expect(newest.get_by_role("link", name="Show all of this event")).to_have_attribute(
+        "href", re.compile(rf"^/tasks/{task.id}/events/\d+/$")
+    )
+    expect(page.locator('[data-field="event-count"]')).to_have_text("62")
+
+    page.get_by_role("link", name="Older events").first.click()
+    wait_until_live(page)
+    expect(timeline).to_have_count(11)
+    expect(timeline.first.locator(".event-type")).to_have_text("created")
+    transitions.comment(task_id=task.id, actor=agent, body="while reading old ones")
+    expect(page.locator('[data-field="event-count"]')).to_have_text("63")
+    expect(timeline).to_have_count(11)  # an older page stays as it is
+
+    page.get_by_role("link", name="Latest").first.click()
+    expect(timeline.last.locator(".comment-body")).to_have_text("while reading old ones")
