@@ -8,6 +8,7 @@ database recorded.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -24,6 +25,7 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from board import transitions
+from board.api.serializers import TaskSerializer
 from board.models import Task, TaskEvent
 from tests.browser import PASSWORD, card, count, log_in, requires_chromium, wait_until_live
 from tests.factories import TokenFactory
@@ -815,3 +817,68 @@ def test_the_task_pages_timeline_pages_back_and_only_its_newest_page_grows_live(
 
     page.get_by_role("link", name="Latest").first.click()
     expect(timeline.last.locator(".comment-body")).to_have_text("while reading old ones")
+
+
+def stream_once(page: Page, events: list[dict[str, Any]]) -> None:
+    """Answer the page's first stream request with ``events`` (then the stream ends, and the
+    page reconnects to the real one): an event as another server process may send it."""
+    served: list[bool] = []
+
+    def answer(route: Any) -> None:
+        if served:
+            route.continue_()
+            return
+        served.append(True)
+        body = "".join(
+            f"id: {event['id']}\nevent: task_event\ndata: {json.dumps(event)}\n\n"
+            for event in events
+        )
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page.route("**/api/v1/stream/**", answer)
+
+
+def elided_heartbeat(task: Task, agent: Any) -> dict[str, Any]:
+    """A heartbeat event whose task's progress was too large for the stream."""
+    data = json.loads(json.dumps(TaskSerializer(task).data, default=str))
+    data.update(progress=None, elided=["progress"])
+    return {
+        "id": 10**9,
+        "task_id": task.id,
+        "type": "heartbeat",
+        "status": "in_progress",
+        "actor": agent.username,
+        "payload": {"lease_until": data["leased_until"], "progress": None},
+        "elided": ["progress"],
+        "created_at": timezone.now().isoformat(),
+        "task": data,
+    }
+
+
+def test_a_progress_too_large_for_the_stream_is_read_from_the_task_or_said_to_be_large(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Resize images")
+    [claim] = transitions.claim(actor=agent, lease_seconds=600)
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"step": 1}
+    )
+    log_in(page, person)
+    in_progress = card(page, "in_progress", task.id)
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":1}')
+    large = {"log": "x" * 20_000}
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress=large
+    )
+    event = elided_heartbeat(Task.objects.get(pk=task.id), agent)
+
+    stream_once(page, [event])
+    page.reload()
+    expect(in_progress.locator(".card-progress")).to_have_text("(progress too large to show here)")
+
+    stream_once(page, [event])
+    page.goto(f"/tasks/{task.id}/")
+    expect(page.locator('[data-field="progress"]')).to_contain_text('"log": "xxx')
+    expect(page.locator(f"#event-{event['id']} .event-data")).to_contain_text(
+        "(too large to show here)"
+    )
