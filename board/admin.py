@@ -2,8 +2,8 @@
 
 Nothing here writes a row itself: tasks change only through ``board.transitions`` (the
 escalation queue in ``escalations.admin`` offers the human transitions), and the event log
-is append-only. The event inline, the work graph and the JSON rendering live here, for both
-task admins. Staff set which queues an agent is limited to (board.access) on the user's
+is append-only. The event history, the work graph and the JSON rendering live here, for
+both task admins. Staff set which queues an agent is limited to (board.access) on the user's
 page. A queue's state and its log of pauses and resumes are read-only lists; pausing and
 resuming are actions on the queues, for staff (as in the API), that call
 ``board.transitions.pause_queue`` and ``resume_queue``. Webhooks are listed with their
@@ -45,6 +45,7 @@ from board.models import (
     Webhook,
 )
 from board.relations import relations_of
+from board.timeline import requested_page, timeline_page
 
 admin.site.site_header = "Taskboard administration"
 admin.site.site_title = "Taskboard admin"
@@ -88,46 +89,6 @@ class ReadOnlyAdmin(SelectionChecked):
         return False
 
 
-class TaskEventInline(admin.TabularInline):
-    """A task's event history, oldest first, read-only."""
-
-    model = TaskEvent
-    readonly_fields = ("number", "type", "status", "actor", "event_payload", "created_at")
-    fields = readonly_fields
-    ordering = ["id"]
-    extra = 0
-    max_num = 0
-    can_delete = False
-    show_change_link = False
-    verbose_name = "event"
-    verbose_name_plural = "event history"
-    # A table of the events (heartbeat runs folded, board.timeline) rather than Django's
-    # tabular form, which captions every row with the event's str().
-    template = "admin/board/task/event_history_inline.html"
-
-    @admin.display(description="#")
-    def number(self, event: TaskEvent) -> int:
-        return event.pk
-
-    @admin.display(description="payload")
-    def event_payload(self, event: TaskEvent) -> SafeString:
-        return json_block(event.payload)
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # The history is part of the task: it is shown wherever the parent admin has
-        # already let the user view the task, whatever their permissions on TaskEvent.
-        return True
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
 class TaskChangeList(ChangeList):
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         # No list shows these, and a payload alone may be up to a MiB: leave them in the
@@ -137,9 +98,11 @@ class TaskChangeList(ChangeList):
 
 
 class ReadOnlyTaskAdmin(ReadOnlyAdmin):
-    """A read-only task admin, with the renderings the task and escalation admins share."""
+    """A read-only task admin, with the renderings the task and escalation admins share.
 
-    inlines = [TaskEventInline]
+    A task's page shows its newest events (board.timeline.PAGE_SIZE, long texts cut short)
+    and links the rest: its history page, a page of events at a time, and the event list.
+    """
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return TaskChangeList
@@ -191,6 +154,7 @@ class ReadOnlyTaskAdmin(ReadOnlyAdmin):
         task = self.get_object(request, unquote(object_id))
         if task is not None:
             context["relations"] = relations_of(task, queue_access(request.user))
+            context["timeline_page"] = timeline_page(task.pk)
         return super().change_view(request, object_id, form_url, context)
 
     def history_view(
@@ -220,7 +184,7 @@ class ReadOnlyTaskAdmin(ReadOnlyAdmin):
             "subtitle": None,
             "object": task,
             "opts": self.opts,
-            "events": TaskEvent.objects.filter(task=task).order_by("id"),
+            "timeline_page": requested_page(task.pk, request.GET),
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/board/task/history.html", context)

@@ -36,22 +36,38 @@ def queue_list(
 
     ``after``, ``limit``: only the first ``limit`` queues whose names sort after ``after``
     (a page of them; None: no bound)."""
-    queues = []
-    for row in _rows("queue_list", access, after=after, limit=limit):
-        if name is not None and row["name"] != name:
-            continue
-        queues.append(
-            {
-                "name": row["name"],
-                "paused": row["paused"],
-                "counts": {count: int(row[count]) for count in COUNTS},
-                "oldest_pending_at": row["oldest_pending_at"],
-                "changed_at": row["changed_at"],
-                "changed_by": row["changed_by"],
-                "note": row["note"],
-            }
-        )
-    return queues
+    return [
+        _queue(row)
+        for row in _rows("queue_list", access, after=after, limit=limit)
+        if name is None or row["name"] == name
+    ]
+
+
+def _queue(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": row["name"],
+        "paused": row["paused"],
+        "counts": {count: int(row[count]) for count in COUNTS},
+        "oldest_pending_at": row["oldest_pending_at"],
+        "changed_at": row["changed_at"],
+        "changed_by": row["changed_by"],
+        "note": row["note"],
+    }
+
+
+def queue_panel(access: QueueAccess | None, limit: int) -> tuple[list[dict[str, Any]], int]:
+    """Return the board's queues panel: at most ``limit`` queues as queue_list has them,
+    paused ones first, then the busiest (most open tasks), then by name; and how many
+    queues there are in all (those ``access`` may see)."""
+    rows = _rows("queue_panel", access, limit=limit)
+    return [_queue(row) for row in rows], int(rows[0]["queues_in_all"]) if rows else 0
+
+
+def queue_totals(access: QueueAccess | None, queue: str | None = None) -> dict[str, int]:
+    """Return the tasks per status (COUNTS) over the queues ``access`` may see, or over
+    ``queue`` alone, from the counters."""
+    [row] = _rows("queue_totals", access, queue=queue)
+    return {count: int(row[count]) for count in COUNTS}
 
 
 def queue_detail(name: str, access: QueueAccess | None = None) -> dict[str, Any]:

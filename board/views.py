@@ -7,9 +7,10 @@ other event, so the page neither misses what happened between drawing and connec
 applies anything twice. A holder's changes go through the REST API
 (``board/static/board/board.js``), which calls ``board.transitions``.
 
-Two plain HTML forms post here instead, and work without the script: a comment on a task's
-page (any user who may see the task) and pausing or resuming a queue in the board's queues
-panel (staff). Each calls its transition and redirects back.
+Plain HTML forms post here instead, and work without the script: a comment on a task's
+page (any user who may see the task), requeuing, resolving or cancelling an escalated task
+on its page (those who may triage, escalations.triage) and pausing or resuming a queue in
+the board's queues panel (staff). Each calls its transition and redirects back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from django.contrib.auth.forms import PasswordResetForm
 from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 from django.db.models import Count, QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.forms import Form
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
@@ -39,12 +41,15 @@ from board import conf, transitions
 from board.access import QueueAccess, queue_access
 from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
-from board.exceptions import ForbiddenQueue, TaskNotFound
+from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
 from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
-from board.models import QUEUE_PATTERN, Task, TaskEvent, TaskStatus
-from board.queues import agent_list, queue_list
+from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
+from board.queues import agent_list, queue_panel, queue_totals
 from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
+from board.templatetags.board_extras import EVENT_TEXT_LIMIT, progress_text
+from board.timeline import TimelineEntry, requested_page
+from escalations.triage import TRIAGES, NoteForm, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
 OPEN_COLUMN_LIMIT = 200
@@ -68,6 +73,11 @@ QUEUE_COUNTS = [
 
 # The agents panel shows this many agents, those holding tasks and seen last first.
 AGENTS_LIMIT = 50
+# The queues panel (and the queue filter) shows this many queues: paused ones first, then
+# the busiest (board.queues.queue_panel); a note counts the rest.
+QUEUES_LIMIT = 50
+
+COUNTS_FROM_TOTALS = ("in_progress", "escalated", "done", "cancelled")
 
 COUNTS = [
     (TaskStatus.PENDING.value, "Pending"),
@@ -165,9 +175,26 @@ def queue_filter(request: HttpRequest) -> str | None:
     return queue if re.match(QUEUE_PATTERN, queue) else None
 
 
-def _card(task: dict[str, Any]) -> dict[str, Any]:
-    """Return what a card shows of a serialized task: not its (possibly large) data."""
-    return {key: value for key, value in task.items() if key not in CARD_OMITS}
+def comment_counts(task_ids: list[int]) -> dict[int, int]:
+    """Return how many comments each of ``task_ids`` has (those with none are left out)."""
+    if not task_ids:
+        return {}
+    rows = (
+        TaskEvent.objects.filter(task_id__in=task_ids, type=EventType.COMMENTED)
+        .values_list("task_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return dict(rows)
+
+
+def _card(task: dict[str, Any], comments: dict[int, int]) -> dict[str, Any]:
+    """Return what a card shows of a serialized task: not its (possibly large) data, but
+    the start of its progress and how many comments it has."""
+    card = {key: value for key, value in task.items() if key not in CARD_OMITS}
+    card["progress_text"] = progress_text(task["progress"])
+    card["comments"] = comments.get(task["id"], 0)
+    return card
 
 
 def _stream_context(resume_id: int, skip: list[int]) -> dict[str, Any]:
@@ -211,13 +238,14 @@ def home(request: HttpRequest) -> HttpResponse:
         tasks = visible.filter(queue=queue) if queue else visible
         counts = dict(tasks.values_list("status").annotate(n=Count("id")).order_by())
         columns = {column.key: column.tasks(tasks) for column in COLUMNS}
-        queues = sorted(visible.values_list("queue", flat=True).distinct().order_by())
         cards = [task for shown in columns.values() for task in shown]
+        comments = comment_counts([task.pk for task in cards])
         dependencies = dependencies_of(cards, access)
-        queue_rows = queue_list(access)
+        queue_rows, queues_in_all = queue_panel(access, QUEUES_LIMIT)
         agents = visible_agents(access, request.user.get_username())
-    if queue and queue not in queues:
-        queues.append(queue)
+    # The filter offers the queues of the panel, and the one shown; any other is a name to
+    # type (the panel's note), so that neither grows with the number of queues.
+    queues = sorted({row["name"] for row in queue_rows} | ({queue} if queue else set()))
     counts = {status.value: counts.get(status.value, 0) for status in TaskStatus}
     can_pause = may_pause_queues(request.user)
     state = {
@@ -229,8 +257,10 @@ def home(request: HttpRequest) -> HttpResponse:
         "open_limit": OPEN_COLUMN_LIMIT,
         "finished_limit": FINISHED_LIMIT,
         "agents_limit": AGENTS_LIMIT,
+        "queues_limit": QUEUES_LIMIT,
+        "queues_in_all": queues_in_all,
         "counts": counts,
-        "tasks": [_card(data) for data in TaskSerializer(cards, many=True).data],
+        "tasks": [_card(data, comments) for data in TaskSerializer(cards, many=True).data],
         "dependencies": dependencies,
         "queues": queue_rows,
         "agents": agents,
@@ -254,7 +284,9 @@ def home(request: HttpRequest) -> HttpResponse:
                 for column in COLUMNS
             ],
             "dependencies": dependencies,
+            "comments": comments,
             "queue_rows": queue_rows,
+            "queues_in_all": queues_in_all,
             "count_columns": QUEUE_COUNTS,
             "agents": agents,
             "can_pause": can_pause,
@@ -264,17 +296,49 @@ def home(request: HttpRequest) -> HttpResponse:
     )
 
 
+@require_safe
+def panels(request: HttpRequest) -> HttpResponse:
+    """Return the board's queues and agents panels, and its counts (of ``?queue=``, or of
+    every queue), as JSON: what the open board reads again after events. As bounded as
+    the page: at most QUEUES_LIMIT queues and AGENTS_LIMIT agents."""
+    if not request.user.is_authenticated:
+        # The board's script reads a 401 as the end of its session (a redirect to the
+        # login page would read as a page it cannot parse).
+        return JsonResponse({"detail": "Not logged in."}, status=401)
+    access = queue_access(request.user)
+    queue_rows, queues_in_all = queue_panel(access, QUEUES_LIMIT)
+    totals = queue_totals(access, queue_filter(request))
+    return JsonResponse(
+        {
+            "queues": queue_rows,
+            "queues_in_all": queues_in_all,
+            "agents": visible_agents(access, request.user.get_username()),
+            # The board counts blocked tasks as pending, as their status says.
+            "counts": {
+                "pending": totals["pending"] + totals["blocked"],
+                **{status: totals[status] for status in COUNTS_FROM_TOTALS},
+            },
+        }
+    )
+
+
 def _task_page(
-    request: HttpRequest, pk: int, *, form: CommentForm | None = None, status: int = 200
+    request: HttpRequest,
+    pk: int,
+    *,
+    form: CommentForm | None = None,
+    triage_form: Form | None = None,
+    status: int = 200,
 ) -> HttpResponse:
-    """Render a task's page, with ``form`` (a comment that was refused) if given."""
+    """Render a task's page, with ``form`` (a comment that was refused) or ``triage_form``
+    (a requeue, resolve or cancel that was refused) if given."""
     access = queue_access(request.user)
     horizon = stream_horizon()
     with page_snapshot():
         resume_id = stream_head_id(horizon)
         visible = access.visible(Task.objects.all())
         task = get_object_or_404(visible, pk=pk)
-        events = list(TaskEvent.objects.filter(task=task).order_by("id"))
+        page = requested_page(task.pk, request.GET)
         skip = unstable_event_ids(horizon, task.pk)
         relations = relations_of(task, access)
     data = TaskSerializer(task).data
@@ -285,6 +349,10 @@ def _task_page(
         "lease_seconds": conf.lease_seconds(),
         "task": data,
         "relations": relations,
+        # Live events join the timeline only on its newest page.
+        "timeline_live": page.latest,
+        "event_count": page.total,
+        "event_text_limit": EVENT_TEXT_LIMIT,
     }
     return render(
         request,
@@ -292,9 +360,11 @@ def _task_page(
         {
             "state": state,
             "task": task,
-            "events": events,
+            "timeline_page": page,
             "relations": relations,
             "comment_form": form or CommentForm(),
+            "can_triage": may_triage(request.user),
+            "triage_form": triage_form,
             "now": timezone.now(),
         },
         status=status,
@@ -305,8 +375,20 @@ def _task_page(
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """Show one task, its payload, progress and result, its place in the work graph
-    (parent, children, dependencies, dependents) and its whole timeline, oldest first."""
+    (parent, children, dependencies, dependents) and its timeline, oldest first: its newest
+    events, or with ``?before=`` or ``?after=`` (an event id) the page of older or newer."""
     return _task_page(request, pk)
+
+
+@require_safe
+@login_required
+def event_detail(request: HttpRequest, pk: int, event_id: int) -> HttpResponse:
+    """Show one event of a task in full: the timeline cuts long texts short."""
+    visible = queue_access(request.user).visible(Task.objects.all())
+    task = get_object_or_404(visible, pk=pk)
+    event = get_object_or_404(TaskEvent.objects.filter(task=task), pk=event_id)
+    entry = TimelineEntry(event=event, first=event, ids=[event.pk])
+    return render(request, "board/event.html", {"task": task, "entry": entry, "full": True})
 
 
 @require_POST
@@ -327,6 +409,34 @@ def comment(request: HttpRequest, pk: int) -> HttpResponse:
     except TaskNotFound as exc:
         raise Http404("No such task.") from exc
     return HttpResponseRedirect(f"{reverse('board:task', args=[pk])}#event-{event.pk}")
+
+
+@require_POST
+@login_required
+def triage(request: HttpRequest, pk: int, name: str) -> HttpResponse:
+    """Requeue, resolve or cancel an escalated task (``name``), as the escalation queue in
+    the admin does and with the same transitions, then show the task's page again."""
+    if not may_triage(request.user):
+        raise PermissionDenied("Only staff who may triage requeue, resolve or cancel.")
+    way_out = TRIAGES.get(name)
+    if way_out is None:
+        raise Http404("No such action.")
+    visible = queue_access(request.user).visible(Task.objects.all())
+    if not visible.filter(pk=pk).exists():
+        raise Http404("No such task.")
+    # The page's one form has a note for each of the three (the admin's requeue is a
+    # button without one).
+    form = (way_out.form_class or NoteForm)(request.POST)
+    if not form.is_valid():
+        return _task_page(request, pk, triage_form=form, status=400)
+    fields = form.cleaned_data
+    try:
+        task = way_out.transition(task_id=pk, actor=request.user, **fields)
+    except (InvalidTransition, TaskNotFound) as exc:
+        messages.warning(request, str(exc))
+    else:
+        messages.success(request, f"{way_out.done} {task}.")
+    return HttpResponseRedirect(reverse("board:task", args=[pk]))
 
 
 def _set_paused(request: HttpRequest, name: str, *, paused: bool) -> HttpResponse:

@@ -10,9 +10,6 @@ the work graph: what it depends on, what waits for it, and its progress.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from django import forms
@@ -32,75 +29,9 @@ from board.access import queue_access
 from board.admin import ReadOnlyTaskAdmin
 from board.exceptions import InvalidTransition, TaskNotFound
 from board.forms import CommentForm
-from board.models import Task, TaskStatus
-from escalations.models import TRIAGE_PERMISSION, EscalatedTask
-
-
-class NoteForm(forms.Form):
-    note = forms.CharField(
-        required=False,
-        widget=forms.Textarea(attrs={"rows": 4, "cols": 60}),
-        help_text="Recorded on the task's event.",
-    )
-
-    def clean_note(self) -> str | None:
-        # An empty note is no note: the event then carries none.
-        return self.cleaned_data["note"] or None
-
-
-class ResolveForm(NoteForm):
-    note = forms.CharField(
-        widget=forms.Textarea(attrs={"rows": 4, "cols": 60}),
-        help_text="How it was settled; recorded on the task's event.",
-    )
-    result = forms.JSONField(
-        required=False,
-        widget=forms.Textarea(attrs={"rows": 6, "cols": 60}),
-        help_text="Optional JSON, stored as the task's result.",
-    )
-
-    def clean_result(self) -> Any:
-        """Refuse what the API refuses and jsonb cannot store (a NUL in a string, say)."""
-        from board.api.serializers import storable_json_error
-
-        result = self.cleaned_data.get("result")
-        if error := storable_json_error(result):
-            raise forms.ValidationError(error)
-        return result
-
-
-@dataclass(frozen=True)
-class Triage:
-    """One way out of the queue: a transition, and how the admin asks for and reports it."""
-
-    name: str
-    label: str
-    done: str  # past tense, for the report
-    transition: Callable[..., Task]  # called with task_id, actor and the form's fields
-    allowed: Sequence[str]  # the statuses the transition applies to
-    form_class: type[forms.Form] | None = None
-
-
-# The queue's ways out apply to escalated tasks only, checked by the transition under the
-# task's lock: two humans acting on one task at once, the second finds it gone from the
-# queue (a requeue would otherwise undo a resolve or cancel made a moment before).
-ESCALATED = (TaskStatus.ESCALATED,)
-REQUEUE = Triage(
-    "requeue",
-    "Requeue",
-    "Requeued",
-    functools.partial(transitions.requeue, from_statuses=ESCALATED),
-    ESCALATED,
-)
-RESOLVE = Triage("resolve", "Resolve", "Resolved", transitions.resolve, ESCALATED, ResolveForm)
-CANCEL = Triage(
-    "cancel",
-    "Cancel",
-    "Cancelled",
-    functools.partial(transitions.cancel, from_statuses=ESCALATED),
-    ESCALATED,
-    NoteForm,
-)
+from board.models import Task
+from escalations.models import EscalatedTask
+from escalations.triage import CANCEL, REQUEUE, RESOLVE, Triage, may_triage
 
 
 def _tasks(count: int) -> str:
@@ -181,7 +112,7 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
 
     def has_triage_permission(self, request: HttpRequest) -> bool:
         """Return whether the user may requeue, resolve and cancel escalated tasks."""
-        return request.user.has_perm(TRIAGE_PERMISSION)
+        return may_triage(request.user)
 
     # The list's actions.
 

@@ -487,7 +487,7 @@ def test_the_task_page_shows_payload_last_error_and_event_history(
     assert "\n  &quot;bucket&quot;: &quot;in&quot;\n}</pre>" in page
     assert "Traceback: &lt;MemoryError&gt;" in page
     assert "failed 1 of 1 times" in page
-    events = response.context["inline_admin_formsets"][0].formset.queryset
+    events = response.context["timeline_page"].events
     assert [(e.type, e.actor) for e in events] == [
         ("created", "agent-smith"),
         ("claimed", "agent-smith"),
@@ -728,7 +728,7 @@ def test_the_task_list_shows_every_task_and_its_page_never_the_lease_token(
     assert page.status_code == 200
     assert claim.lease_token not in page.content.decode()
     assert 'name="_save"' not in page.content.decode()
-    events = page.context["inline_admin_formsets"][0].formset.queryset
+    events = page.context["timeline_page"].events
     assert [e.type for e in events] == ["created", "claimed"]
 
 
@@ -1320,3 +1320,40 @@ def test_a_nul_character_in_an_admin_url_or_filter_is_a_400_not_a_500(
     ):
         assert triager_client.get(url).status_code == 400, url
     assert triager_client.get(f"{QUEUE_URL}?queue=ok").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_a_task_page_with_a_thousand_long_comments_stays_small_and_links_the_rest(
+    admin_client: Client, triager_client: Client, escalated: Callable[..., Task], agent: Any
+) -> None:
+    task = escalated(title="much discussed")
+    for n in range(1000):
+        transitions.comment(task_id=task.pk, actor=agent, body=f"{n:04d} " + "x" * 9995)
+    every = list(TaskEvent.objects.filter(task=task).order_by("id").values_list("id", flat=True))
+
+    for client, url in (
+        (admin_client, reverse("admin:board_task_change", args=[task.pk])),
+        (triager_client, change_url(task.pk)),
+    ):
+        response = client.get(url)
+        page = response.content.decode()
+        assert response.status_code == 200
+        assert len(response.content) < 150_000, f"{url}: {len(response.content)} bytes"
+        assert [event.pk for event in response.context["timeline_page"].events] == every[-50:]
+        assert len(rows_of(page)) == 50
+        assert "The newest 50 of 1004 events." in page
+        assert f"?before={every[-50]}" in page, "the older ones are a link away"
+        assert f"?task__id__exact={task.pk}" in page
+        assert reverse("admin:board_taskevent_change", args=[every[-1]]) in page
+        assert "x" * 1001 not in page
+
+    seen: list[int] = []
+    url = f"{history_url(task.pk)}?before={every[-50]}"
+    while url:
+        response = triager_client.get(url)
+        assert len(response.content) < 150_000
+        seen = [event.pk for event in response.context["timeline_page"].events] + seen
+        match = re.search(r'href="(\?before=\d+)"', response.content.decode())
+        url = f"{history_url(task.pk)}{match.group(1)}" if match else ""
+    assert seen + every[-50:] == every

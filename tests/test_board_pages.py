@@ -21,7 +21,7 @@ from board import transitions
 from board.access import limit_queues
 from board.models import QueuePause, QueueState, Task, TaskEvent
 from board.views import stream_head_id, stream_horizon
-from tests.factories import StaffFactory, UserFactory
+from tests.factories import StaffFactory, UserFactory, grant
 
 pytestmark = pytest.mark.django_db
 
@@ -887,3 +887,307 @@ def test_commenting_on_a_missing_task_is_a_404_and_a_get_is_refused(
 ) -> None:
     assert browser.post("/tasks/999999/comments/", {"body": "hi"}).status_code == 404
     assert browser.get(f"/tasks/{make_task().id}/comments/").status_code == 405
+
+
+# -- Triage of an escalated task ------------------------------------------------------------
+
+
+@pytest.fixture
+def escalated_task(make_task: Callable[..., Task], agent: Any) -> Task:
+    task = make_task(title="stuck import", queue="imports", max_failures=1)
+    [claim] = transitions.claim(actor=agent, queues=["imports"])
+    return transitions.fail(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad file"
+    )
+
+
+@pytest.fixture
+def triager(db: None) -> Any:
+    return grant(StaffFactory(username="ops-alice"), "escalations.triage_task")
+
+
+def triage_panel(html: str) -> str:
+    match = re.search(r'<section class="panel triage-panel".*?</section>', html, re.S)
+    return match.group(0) if match else ""
+
+
+def test_a_triager_sees_requeue_resolve_cancel_and_the_queue_link_on_an_escalated_task(
+    triager: Any, escalated_task: Task
+) -> None:
+    html = logged_in(triager).get(f"/tasks/{escalated_task.id}/").content.decode()
+
+    panel = triage_panel(html)
+    assert panel, "the page offers triage"
+    assert " hidden" not in panel.split(">", 1)[0]
+    for name in ("requeue", "resolve", "cancel"):
+        assert f'formaction="/tasks/{escalated_task.id}/{name}/"' in panel
+    assert 'href="/admin/escalations/escalatedtask/"' in panel
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "status", "event"),
+    [
+        ("requeue", {"note": "the file is fixed"}, "pending", "requeued"),
+        ("resolve", {"note": "fixed by hand", "result": '{"rows": 3}'}, "done", "resolved"),
+        ("cancel", {"note": "not needed"}, "cancelled", "cancelled"),
+    ],
+)
+def test_a_triager_requeues_resolves_or_cancels_an_escalated_task_from_its_page(
+    triager: Any,
+    escalated_task: Task,
+    name: str,
+    fields: dict[str, str],
+    status: str,
+    event: str,
+) -> None:
+    client = logged_in(triager)
+
+    response = client.post(f"/tasks/{escalated_task.id}/{name}/", fields)
+
+    assert response.status_code == 302
+    assert response["Location"] == f"/tasks/{escalated_task.id}/"
+    task = Task.objects.get(pk=escalated_task.id)
+    assert task.status == status
+    last = TaskEvent.objects.filter(task=task).latest("id")
+    assert (last.type, last.actor, last.payload["note"]) == (event, "ops-alice", fields["note"])
+    if name == "resolve":
+        assert task.result == {"rows": 3}
+    page = client.get(response["Location"]).content.decode()
+    assert "triage-panel" in page
+    assert " hidden" in triage_panel(page).split(">", 1)[0], "no longer escalated"
+
+
+def test_a_resolve_without_a_note_is_refused_on_the_page_and_changes_nothing(
+    triager: Any, escalated_task: Task
+) -> None:
+    response = logged_in(triager).post(f"/tasks/{escalated_task.id}/resolve/", {"note": ""})
+
+    assert response.status_code == 400
+    assert 'role="alert"' in triage_panel(response.content.decode())
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+def test_triage_of_a_task_no_longer_escalated_says_so_and_changes_nothing(
+    triager: Any, escalated_task: Task, staff: Any
+) -> None:
+    transitions.resolve(task_id=escalated_task.id, actor=staff, note="done elsewhere")
+    client = logged_in(triager)
+
+    response = client.post(f"/tasks/{escalated_task.id}/requeue/", {"note": ""}, follow=True)
+
+    assert Task.objects.get(pk=escalated_task.id).status == "done"
+    assert f"Cannot requeue task {escalated_task.id}: it is done" in response.content.decode()
+    assert TaskEvent.objects.filter(task_id=escalated_task.id).latest("id").type == "resolved"
+
+
+@pytest.mark.parametrize("who", ["staff", "agent"])
+def test_who_may_not_triage_sees_no_triage_and_is_refused_a_post(
+    who: str, escalated_task: Task, staff: Any, agent: Any
+) -> None:
+    client = logged_in({"staff": staff, "agent": agent}[who])
+
+    html = client.get(f"/tasks/{escalated_task.id}/").content.decode()
+
+    assert "triage-panel" not in html
+    assert "/admin/escalations/" not in html
+    for name in ("requeue", "resolve", "cancel"):
+        response = client.post(f"/tasks/{escalated_task.id}/{name}/", {"note": "x"})
+        assert response.status_code == 403
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+def test_a_triager_limited_to_other_queues_cannot_triage_the_task(
+    triager: Any, escalated_task: Task
+) -> None:
+    limit_queues(triager, ["ours"])
+
+    response = logged_in(triager).post(f"/tasks/{escalated_task.id}/requeue/", {"note": ""})
+
+    assert response.status_code == 404
+    assert Task.objects.get(pk=escalated_task.id).status == "escalated"
+
+
+# -- What a card shows: progress and comments -------------------------------------------
+
+
+def test_an_in_progress_card_shows_the_latest_progress_as_text_and_cards_count_comments(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    busy = make_task(title="busy", priority=2)
+    talked_about = make_task(title="waiting")
+    [claim] = transitions.claim(actor=agent)
+    progress = {"step": 2, "of": 5, "note": "x" * 500}
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress=progress
+    )
+    for body in ("why is this waiting?", "because"):
+        transitions.comment(task_id=talked_about.id, actor=agent, body=body)
+    transitions.comment(task_id=busy.id, actor=agent, body="on it")
+
+    html = browser.get("/").content.decode()
+
+    busy_card = card_html(html, busy.id)
+    shown = re.search(r'<p class="card-progress"[^>]*>(.*?)</p>', busy_card)
+    assert shown, "the in-progress card shows its progress"
+    assert shown.group(1).startswith("{&quot;note&quot;:&quot;xxx")
+    assert len(shown.group(1).replace("&quot;", '"')) == 120, "only its start"
+    assert "1 comment<" in busy_card
+    assert "2 comments<" in card_html(html, talked_about.id)
+    cards = {task["id"]: task for task in state_of(html)["tasks"]}
+    assert cards[busy.id]["progress_text"].startswith('{"note":"xxx')
+    assert "progress" not in cards[busy.id], "not the progress itself"
+    assert (cards[busy.id]["comments"], cards[talked_about.id]["comments"]) == (1, 2)
+
+
+def test_a_card_without_progress_or_comments_shows_neither(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="fresh")
+    transitions.claim(actor=agent)
+
+    card = card_html(browser.get("/").content.decode(), task.id)
+
+    assert "card-progress" not in card
+    assert "chip-comments" not in card
+
+
+# -- Bounded pages: however many queues, comments and events -----------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_the_board_shows_at_most_50_queues_and_stays_small_with_2000(
+    browser: Client, make_task: Callable[..., Task], agent: Any, staff: Any
+) -> None:
+    for n in range(2000):
+        make_task(title=f"t{n}", queue=f"queue-{n:04d}")
+    busiest = [make_task(queue="queue-1999") for _ in range(3)]
+    transitions.pause_queue(queue="queue-0007", actor=staff)
+
+    response = browser.get("/")
+
+    html = response.content.decode()
+    # The 200 pending cards it shows take most of it; each queue row took about 1.2 KB.
+    assert len(response.content) < 300_000, f"{len(response.content)} bytes"
+    rows = re.findall(r'<tr data-queue="([^"]+)"', html)
+    assert len(rows) == 50
+    assert rows[:2] == ["queue-0007", "queue-1999"], "paused first, then the busiest"
+    assert "Showing 50 of 2000 queues" in html
+    assert len(re.findall(r"<option value=", html)) == 51, "All queues, and the panel's"
+    assert len(state_of(html)["queues"]) == 50
+    assert state_of(html)["queues_in_all"] == 2000
+    filtered = browser.get("/?queue=queue-1234").content.decode()
+    assert '<option value="queue-1234" selected>' in filtered
+    assert len(busiest) == 3
+
+    panels = browser.get("/panels/")
+    assert len(panels.content) < 40_000, f"{len(panels.content)} bytes"
+    data = panels.json()
+    assert (len(data["queues"]), data["queues_in_all"]) == (50, 2000)
+    assert data["queues"][1] == {**data["queues"][1], "name": "queue-1999"}
+    assert data["counts"] == {
+        "pending": 2003,
+        "in_progress": 0,
+        "escalated": 0,
+        "done": 0,
+        "cancelled": 0,
+    }
+    one = browser.get("/panels/?queue=queue-1999").json()
+    assert one["counts"]["pending"] == 4
+
+
+def test_the_panels_answer_the_board_reads_again_is_for_people_logged_in(
+    client: Client, browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    make_task(queue="mail")
+    limited = UserFactory(username="limited")
+    limit_queues(limited, ["images"])
+    make_task(queue="images")
+
+    assert client.get("/panels/").status_code == 401
+    assert [queue["name"] for queue in browser.get("/panels/").json()["queues"]] == [
+        "images",
+        "mail",
+    ]
+    theirs = logged_in(limited).get("/panels/").json()
+    assert [queue["name"] for queue in theirs["queues"]] == ["images"]
+    assert theirs["counts"]["pending"] == 1
+
+
+def comments_on(task: Task, author: Any, count: int, size: int) -> None:
+    for n in range(count):
+        transitions.comment(task_id=task.id, actor=author, body=f"{n:04d} " + "x" * (size - 5))
+
+
+def event_ids_on(html: str) -> list[int]:
+    return [int(n) for n in re.findall(r'<li class="event [^"]*" id="event-(\d+)"', html)]
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_the_task_page_shows_50_events_at_a_time_and_pages_back_to_the_oldest(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(title="much discussed")
+    comments_on(task, agent, 1000, 10_000)
+    every = list(TaskEvent.objects.filter(task=task).order_by("id").values_list("id", flat=True))
+
+    response = browser.get(f"/tasks/{task.id}/")
+
+    html = response.content.decode()
+    assert len(response.content) < 150_000, f"{len(response.content)} bytes"
+    assert event_ids_on(html) == every[-50:], "the newest 50, oldest first"
+    assert re.search(r'data-field="event-count">1001<', html)
+    assert state_of(html)["timeline_live"] is True
+    assert "Show all of this event" in html, "a 10 KB comment is cut short"
+    assert "x" * 1001 not in html
+    seen, pages = event_ids_on(html), 1
+    while match := re.search(r'href="\?before=(\d+)#timeline"', html):
+        response = browser.get(f"/tasks/{task.id}/?before={match.group(1)}")
+        html = response.content.decode()
+        assert len(response.content) < 150_000
+        assert state_of(html)["timeline_live"] is False
+        seen = event_ids_on(html) + seen
+        pages += 1
+    assert seen == every, "every event once, down to the created one"
+    assert pages == 21
+    newer = re.search(r'href="\?after=(\d+)#timeline"', html)
+    assert newer
+    following = browser.get(f"/tasks/{task.id}/?after={newer.group(1)}").content.decode()
+    assert event_ids_on(following) == every[1:51]
+    oldest = browser.get(f"/tasks/{task.id}/?after=0").content.decode()
+    assert event_ids_on(oldest) == every[:50]
+
+    full = browser.get(f"/tasks/{task.id}/events/{every[-1]}/").content.decode()
+    assert "0999 " + "x" * 9995 in full
+
+
+def test_an_events_own_page_is_for_those_who_may_see_its_task(
+    make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task(queue="theirs")
+    comments_on(task, agent, 1, 20)
+    event = TaskEvent.objects.filter(task=task).latest("id")
+    limited = UserFactory(username="limited")
+    limit_queues(limited, ["ours"])
+    other = make_task(queue="ours")
+
+    assert logged_in(limited).get(f"/tasks/{task.id}/events/{event.id}/").status_code == 404
+    assert logged_in(limited).get(f"/tasks/{other.id}/events/{event.id}/").status_code == 404
+    assert logged_in(agent).get(f"/tasks/{task.id}/events/{event.id}/").status_code == 200
+
+
+def test_a_heartbeats_large_progress_is_cut_short_in_the_timeline(
+    browser: Client, make_task: Callable[..., Task], agent: Any
+) -> None:
+    task = make_task()
+    [claim] = transitions.claim(actor=agent)
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"log": "y" * 50_000}
+    )
+
+    html = browser.get(f"/tasks/{task.id}/").content.decode()
+
+    timeline = html.split("data-timeline>", 1)[1].split("</ol>", 1)[0]
+    assert len(timeline) < 5_000
+    assert "Show all of this event" in timeline

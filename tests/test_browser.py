@@ -8,11 +8,13 @@ database recorded.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +25,7 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from board import transitions
+from board.api.serializers import TaskSerializer
 from board.models import Task, TaskEvent
 from tests.browser import PASSWORD, card, count, log_in, requires_chromium, wait_until_live
 from tests.factories import TokenFactory
@@ -631,3 +634,251 @@ def test_the_board_says_when_the_attempt_deadline_took_a_task_from_its_holder(
     ), "the page says what the server recorded"
     expired = TaskEvent.objects.get(task=task, type="expired")
     assert expired.payload["reason"] == "attempt_deadline"
+
+
+def test_cards_show_progress_and_comment_counts_as_they_change(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    busy = make_task(title="Resize images", queue="images")
+    waiting = make_task(title="Send the digest", queue="mail")
+    transitions.comment(task_id=waiting.id, actor=agent, body="before the page")
+    [claim] = transitions.claim(actor=agent, queues=["images"], lease_seconds=60)
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress={"step": 1}
+    )
+    log_in(page, person)
+    in_progress = card(page, "in_progress", busy.id)
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":1}')
+    expect(card(page, "pending", waiting.id).locator(".chip-comments")).to_have_text("1 comment")
+    expect(in_progress.locator(".chip-comments")).to_have_count(0)
+
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress="step 2 of 5"
+    )
+    expect(in_progress.locator(".card-progress")).to_have_text("step 2 of 5")
+    transitions.heartbeat(
+        task_id=busy.id, actor=agent, lease_token=claim.lease_token, progress={"step": 3}
+    )
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":3}')
+
+    transitions.comment(task_id=waiting.id, actor=person, body="any news?")
+    transitions.comment(task_id=busy.id, actor=person, body="nice")
+    expect(card(page, "pending", waiting.id).locator(".chip-comments")).to_have_text("2 comments")
+    expect(in_progress.locator(".chip-comments")).to_have_text("1 comment")
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":3}')
+
+
+# What a panel's content needs beyond the room it has: buttons whose label is cut, cells
+# whose text is, tables wider than a container that cannot scroll them into view, and a
+# page wider than the window.
+CLIPPED = """() => {
+  const problems = [];
+  for (const node of document.querySelectorAll(".glance button, .glance .badge, .glance input")) {
+    if (node.scrollWidth > node.clientWidth + 1) {
+      problems.push(`${node.tagName} "${node.textContent || node.placeholder}": `
+        + `${node.scrollWidth} > ${node.clientWidth}`);
+    }
+  }
+  for (const table of document.querySelectorAll(".glance table")) {
+    const box = table.parentElement;
+    const scrolls = ["auto", "scroll"].includes(getComputedStyle(box).overflowX);
+    if (table.offsetWidth > box.clientWidth + 1 && !scrolls) {
+      const where = box.closest("section").id;
+      problems.push(`table in ${where}: ${table.offsetWidth} > ${box.clientWidth}`);
+    }
+    for (const cell of table.querySelectorAll("th, td")) {
+      if (cell.scrollWidth > cell.clientWidth + 1) {
+        const text = cell.textContent.trim();
+        problems.push(`cell "${text}": ${cell.scrollWidth} > ${cell.clientWidth}`);
+      }
+    }
+  }
+  const page = document.documentElement;
+  if (page.scrollWidth > page.clientWidth + 1) {
+    problems.push(`the page: ${page.scrollWidth} > ${page.clientWidth}`);
+  }
+  return problems;
+}"""
+
+# The glance tables' widths: [table width, its container's visible width, what it scrolls].
+TABLE_WIDTHS = """() => [...document.querySelectorAll(".glance table")].map((table) => [
+  table.offsetWidth, table.parentElement.clientWidth, table.parentElement.scrollWidth,
+])"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 390])
+def test_the_panels_fit_common_widths_without_cutting_their_content(
+    browser: Any,
+    server: LiveServer,
+    make_task: Callable[..., Task],
+    agent: Any,
+    other_agent: Any,
+    settings: Any,
+    width: int,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    for queue in ("images", "mail-digests", "billing-exports", "default"):
+        for n in range(12):
+            make_task(title=f"{queue} {n}", queue=queue)
+    for holder, queue in ((agent, "images"), (other_agent, "billing-exports")):
+        for claim in transitions.claim(actor=holder, queues=[queue], limit=3, lease_seconds=600):
+            transitions.heartbeat(
+                task_id=claim.task.pk, actor=holder, lease_token=claim.lease_token
+            )
+        [claim] = transitions.claim(actor=holder, queues=[queue], lease_seconds=600)
+        transitions.complete(task_id=claim.task.pk, actor=holder, lease_token=claim.lease_token)
+    transitions.pause_queue(queue="mail-digests", actor=admin, note="relay down")
+    context = browser.new_context(
+        base_url=server.url, viewport={"width": width, "height": 900}, device_scale_factor=1
+    )
+    page = context.new_page()
+    try:
+        log_in(page, admin)
+        expect(page.locator("[data-queues] tr")).to_have_count(4)
+        expect(page.locator("[data-agents] tr")).to_have_count(2)
+
+        shot = tmp_path / f"board-{width}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        page.locator(".glance").screenshot(path=str(tmp_path / f"panels-{width}.png"))
+        with capsys.disabled():
+            print(f"\nscreenshots at {width} px: {shot}, {tmp_path / f'panels-{width}.png'}")
+
+        assert page.evaluate(CLIPPED) == []
+        for table, visible, scrolled in page.evaluate(TABLE_WIDTHS):
+            assert table <= visible, "each table fits its panel: nothing is cut"
+            assert scrolled <= visible, "nothing to scroll sideways to"
+    finally:
+        context.close()
+
+
+def test_a_triager_requeues_an_escalated_task_from_its_page_on_the_board(
+    page: Page, make_task: Callable[..., Task], agent: Any, settings: Any, tmp_path: Path
+) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    admin = get_user_model().objects.create_superuser("root", password=PASSWORD)
+    task = make_task(title="Import prices", queue="imports", max_failures=1)
+    [claim] = transitions.claim(actor=agent, queues=["imports"])
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="bad file")
+    log_in(page, admin)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+
+    panel = page.locator('[data-field="triage-panel"]')
+    expect(panel).to_be_visible()
+    expect(panel.get_by_role("link", name="Open the escalation queue")).to_have_attribute(
+        "href", "/admin/escalations/escalatedtask/"
+    )
+    page.screenshot(path=str(tmp_path / "triage.png"), full_page=True)
+    panel.get_by_label("Note").fill("the file is fixed")
+    panel.get_by_role("button", name="Requeue").click()
+
+    expect(page.get_by_role("status").filter(has_text="Requeued")).to_be_visible()
+    expect(page.locator('[data-field="status"]')).to_have_text("pending")
+    expect(panel).to_be_hidden()
+    assert history(task.id)[-1] == ("requeued", "root")
+    assert TaskEvent.objects.filter(task_id=task.id).latest("id").payload["note"] == (
+        "the file is fixed"
+    )
+
+
+def test_the_task_pages_timeline_pages_back_and_only_its_newest_page_grows_live(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Much discussed")
+    for n in range(60):
+        transitions.comment(task_id=task.id, actor=agent, body=f"comment {n}")
+    log_in(page, person)
+    page.goto(f"/tasks/{task.id}/")
+    wait_until_live(page)
+    timeline = page.locator("[data-timeline] .event")
+    expect(timeline).to_have_count(50)
+    expect(page.locator('[data-field="event-count"]')).to_have_text("61")
+
+    transitions.comment(task_id=task.id, actor=agent, body="long " + "x" * 5000)
+    expect(timeline).to_have_count(51)
+    newest = timeline.last
+    expect(newest.locator(".comment-body")).to_have_text("long " + "x" * 994 + "…")
+    expect(newest.get_by_role("link", name="Show all of this event")).to_have_attribute(
+        "href", re.compile(rf"^/tasks/{task.id}/events/\d+/$")
+    )
+    expect(page.locator('[data-field="event-count"]')).to_have_text("62")
+
+    page.get_by_role("link", name="Older events").first.click()
+    wait_until_live(page)
+    expect(timeline).to_have_count(11)
+    expect(timeline.first.locator(".event-type")).to_have_text("created")
+    transitions.comment(task_id=task.id, actor=agent, body="while reading old ones")
+    expect(page.locator('[data-field="event-count"]')).to_have_text("63")
+    expect(timeline).to_have_count(11)  # an older page stays as it is
+
+    page.get_by_role("link", name="Latest").first.click()
+    expect(timeline.last.locator(".comment-body")).to_have_text("while reading old ones")
+
+
+def stream_once(page: Page, events: list[dict[str, Any]]) -> None:
+    """Answer the page's first stream request with ``events`` (then the stream ends, and the
+    page reconnects to the real one): an event as another server process may send it."""
+    served: list[bool] = []
+
+    def answer(route: Any) -> None:
+        if served:
+            route.continue_()
+            return
+        served.append(True)
+        body = "".join(
+            f"id: {event['id']}\nevent: task_event\ndata: {json.dumps(event)}\n\n"
+            for event in events
+        )
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page.route("**/api/v1/stream/**", answer)
+
+
+def elided_heartbeat(task: Task, agent: Any) -> dict[str, Any]:
+    """A heartbeat event whose task's progress was too large for the stream."""
+    data = json.loads(json.dumps(TaskSerializer(task).data, default=str))
+    data.update(progress=None, elided=["progress"])
+    return {
+        "id": 10**9,
+        "task_id": task.id,
+        "type": "heartbeat",
+        "status": "in_progress",
+        "actor": agent.username,
+        "payload": {"lease_until": data["leased_until"], "progress": None},
+        "elided": ["progress"],
+        "created_at": timezone.now().isoformat(),
+        "task": data,
+    }
+
+
+def test_a_progress_too_large_for_the_stream_is_read_from_the_task_or_said_to_be_large(
+    page: Page, person: Any, agent: Any, make_task: Callable[..., Task]
+) -> None:
+    task = make_task(title="Resize images")
+    [claim] = transitions.claim(actor=agent, lease_seconds=600)
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress={"step": 1}
+    )
+    log_in(page, person)
+    in_progress = card(page, "in_progress", task.id)
+    expect(in_progress.locator(".card-progress")).to_have_text('{"step":1}')
+    large = {"log": "x" * 20_000}
+    transitions.heartbeat(
+        task_id=task.id, actor=agent, lease_token=claim.lease_token, progress=large
+    )
+    event = elided_heartbeat(Task.objects.get(pk=task.id), agent)
+
+    stream_once(page, [event])
+    page.reload()
+    expect(in_progress.locator(".card-progress")).to_have_text("(progress too large to show here)")
+
+    stream_once(page, [event])
+    page.goto(f"/tasks/{task.id}/")
+    expect(page.locator('[data-field="progress"]')).to_contain_text('"log": "xxx')
+    expect(page.locator(f"#event-{event['id']} .event-data")).to_contain_text(
+        "(too large to show here)"
+    )

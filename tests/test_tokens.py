@@ -609,7 +609,13 @@ def test_requests_without_credentials_count_nothing(server: LiveServer, agent: A
     token = str(TokenFactory(user=agent).key)
     logged_out = httpx.Client(base_url=server.url, cookies={"sessionid": "ended" * 6})
     fresh_window()
-    for path in ("/api/v1/stream/", "/api/v1/queues/", "/api/v1/agents/", "/metrics") * 10:
+    for path in (
+        "/api/v1/stream/",
+        "/api/v1/queues/",
+        "/api/v1/agents/",
+        "/panels/",
+        "/metrics",
+    ) * 10:
         assert logged_out.get(path).status_code == 401
         assert httpx.get(f"{server.url}{path}").status_code == 401
 

@@ -8,6 +8,7 @@ from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
 from escalations.models import TRIAGE_PERMISSION
+from escalations.triage import may_triage
 
 
 class MayTriage(BasePermission):
@@ -17,8 +18,7 @@ class MayTriage(BasePermission):
     message = f"Only staff with the {TRIAGE_PERMISSION} permission may requeue, resolve or cancel."
 
     def has_permission(self, request: Request, view: Any) -> bool:
-        user = request.user
-        return bool(user.is_authenticated and user.is_staff and user.has_perm(TRIAGE_PERMISSION))
+        return may_triage(request.user)
 
 
 def may_pause_queues(user: Any) -> bool:

@@ -78,3 +78,59 @@ CROSS JOIN LATERAL (
 WHERE EXISTS (SELECT 1 FROM agent_activity a WHERE a.agent = u.username)
    OR EXISTS (SELECT 1 FROM tasks t WHERE t.leased_by = u.username AND t.status = 'in_progress')
 ORDER BY u.username;
+
+-- name: queue_panel
+-- The board's queues panel: at most %(limit)s queues, paused ones first, then the busiest
+-- (most tasks pending, blocked, in progress or escalated), then by name; each as
+-- queue_list has it, with how many queues there are in all (a window over every queue,
+-- counted before the limit). The age of the oldest pending task, one index step each, is
+-- read for the queues shown only.
+WITH counts AS (
+    SELECT queue,
+           sum(pending) AS pending, sum(blocked) AS blocked,
+           sum(in_progress) AS in_progress, sum(escalated) AS escalated,
+           sum(done) AS done, sum(cancelled) AS cancelled
+    FROM queue_counters
+    WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
+    GROUP BY queue
+), names AS (
+    SELECT queue AS name FROM counts
+    WHERE pending + blocked + in_progress + escalated + done + cancelled > 0
+    UNION
+    SELECT name FROM queue_states WHERE (%(all_queues)s OR name = ANY(%(queues)s))
+), shown AS (
+    SELECT n.name,
+           COALESCE(s.paused, false) AS paused,
+           COALESCE(c.pending, 0) AS pending, COALESCE(c.blocked, 0) AS blocked,
+           COALESCE(c.in_progress, 0) AS in_progress, COALESCE(c.escalated, 0) AS escalated,
+           COALESCE(c.done, 0) AS done, COALESCE(c.cancelled, 0) AS cancelled,
+           COALESCE(c.pending + c.blocked + c.in_progress + c.escalated, 0) AS open,
+           s.changed_at, s.changed_by, s.note,
+           count(*) OVER () AS queues_in_all
+    FROM names n
+    LEFT JOIN counts c ON c.queue = n.name
+    LEFT JOIN queue_states s ON s.name = n.name
+    ORDER BY paused DESC, open DESC, n.name
+    LIMIT %(limit)s
+)
+SELECT shown.*,
+       -- As in queue_list: one step down tasks_pending_queue_due_idx.
+       (SELECT first.since FROM (
+            SELECT GREATEST(t.created_at, t.run_after) AS since FROM tasks t
+            WHERE t.queue = shown.name
+              AND (t.status = 'pending' AND t.open_dependencies = 0) IS TRUE
+            ORDER BY GREATEST(t.created_at, t.run_after) LIMIT 1
+        ) first
+        WHERE first.since <= now()) AS oldest_pending_at
+FROM shown
+ORDER BY paused DESC, open DESC, name;
+
+-- name: queue_totals
+-- The tasks per status over every queue the reader may see, or over one (%(queue)s): the
+-- board's counts, from the counters.
+SELECT COALESCE(sum(pending), 0) AS pending, COALESCE(sum(blocked), 0) AS blocked,
+       COALESCE(sum(in_progress), 0) AS in_progress, COALESCE(sum(escalated), 0) AS escalated,
+       COALESCE(sum(done), 0) AS done, COALESCE(sum(cancelled), 0) AS cancelled
+FROM queue_counters
+WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text);

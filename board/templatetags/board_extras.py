@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from django import template
+from django.utils.text import Truncator
 
 register = template.Library()
 
@@ -68,6 +69,40 @@ def blockers_for(task: Any, dependencies: dict[int, dict[str, Any]]) -> list[dic
 def compact_json(value: Any) -> str:
     """Return ``value`` as JSON on one line, keys sorted."""
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+# A timeline shows this much of an event's text (a comment, each value of its data), and
+# links the event's own page, which shows all of it.
+EVENT_TEXT_LIMIT = 1000
+
+
+@register.filter
+def clip(text: str) -> str:
+    """Return the start of an event's text, as a timeline shows it (EVENT_TEXT_LIMIT)."""
+    return Truncator(text).chars(EVENT_TEXT_LIMIT)
+
+
+@register.filter
+def clipped(payload: dict[str, Any]) -> bool:
+    """Return whether a timeline cuts some text of an event's ``payload`` short."""
+    return any(len(text) > EVENT_TEXT_LIMIT for _, text, _ in event_data(payload))
+
+
+# An in-progress card shows the start of the latest progress, as text.
+PROGRESS_TEXT_LIMIT = 120
+
+
+@register.filter
+def progress_text(progress: Any) -> str | None:
+    """Return the start of a task's progress as a card shows it: a string as it is, other
+    JSON on one line with its keys sorted, as board.js's ``progressText`` writes it."""
+    if progress is None:
+        return None
+    if isinstance(progress, str):
+        text = progress
+    else:
+        text = json.dumps(progress, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return Truncator(text).chars(PROGRESS_TEXT_LIMIT)
 
 
 @register.filter(name="timeline")

@@ -191,7 +191,10 @@
   }
 
   /** Call /api/v1/<path>; resolve to {ok, status, data} (data: the JSON body or null). */
-  async function api(method, path, body) {
+  const api = (method, path, body) => request(method, `/api/v1/${path}`, body);
+
+  /** Call ``url`` (the API, or a page's JSON); resolve as api() does. */
+  async function request(method, url, body) {
     const headers = { Accept: "application/json" };
     const options = { method, headers, credentials: "same-origin" };
     if (body !== undefined) {
@@ -201,7 +204,7 @@
     if (method !== "GET") headers["X-CSRFToken"] = csrfToken();
     let response;
     try {
-      response = await fetch(`/api/v1/${path}`, options);
+      response = await fetch(url, options);
     } catch {
       return { ok: false, status: 0, data: { detail: "The server could not be reached." } };
     }
@@ -463,8 +466,25 @@
    * a transition does. An event sent without its task (a later event of the task has
    * committed, and follows with it) changes nothing. */
   function applyToTask(task, event) {
-    if (event.task) Object.assign(task, event.task);
+    if (!event.task) return task;
+    // A field too large for the stream is sent as null and named in ``elided``: keep what
+    // the page has, and let the page read the task if it shows that field.
+    const { elided = [], ...fresh } = event.task;
+    for (const name of elided) delete fresh[name];
+    Object.assign(task, fresh);
     return task;
+  }
+
+  /** The fields of ``event``'s task that the stream left out for their size. */
+  const elidedOf = (event) => event.task?.elided ?? [];
+
+  // A card shows the start of the latest progress, as board_extras.progress_text does.
+  const PROGRESS_TEXT_LIMIT = 120;
+
+  function progressText(progress) {
+    if (progress === null || progress === undefined) return null;
+    const text = typeof progress === "string" ? progress : JSON.stringify(sortedKeys(progress));
+    return truncate(text, PROGRESS_TEXT_LIMIT);
   }
 
   /** A link to a related task with its status: "#12 (in progress)". */
@@ -550,7 +570,7 @@
           // Refused (a 503, or the session ended): EventSource gives up. Ask the API which
           // (a 401 there ends the page's session: sessionEnded); try again later unless so.
           show("offline", "Offline, retrying");
-          await api("GET", "queues/");
+          await request("GET", "/panels/");
           if (signedOut) return;
           setTimeout(open, delay);
           delay = Math.min(delay * 2, 30000);
@@ -632,12 +652,19 @@
         task.blocked
           ? h("span", { class: "chip chip-blocked", title: "Not claimable until its dependencies are done" }, "blocked")
           : null,
+        task.comments
+          ? h("span", { class: "chip chip-comments", title: "Comments" },
+            `${task.comments} comment${task.comments === 1 ? "" : "s"}`)
+          : null,
         finished ? h("span", { class: `badge badge-${task.status}` }, label(task.status)) : null),
       h("a", { class: "card-title", href: url }, task.title),
       inProgress
         ? h("div", { class: "card-lease" },
           h("span", { class: "holder", title: "Holder" }, task.leased_by),
           h("span", { class: "lease", dataset: { until: task.leased_until } }))
+        : null,
+      inProgress && task.progress_text
+        ? h("p", { class: "card-progress", title: "Latest progress" }, task.progress_text)
         : null,
       deadline
         ? h("p", { class: "card-deadline" }, h("span", { class: "deadline", dataset: { deadline } }))
@@ -690,7 +717,7 @@
             h("input", { type: "hidden", name: "csrfmiddlewaretoken", value: csrfToken() }),
             h("input", { type: "hidden", name: "next", value: here }),
             h("input", {
-              class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note (optional)",
+              class: "inline-input", name: "note", maxlength: 1000, placeholder: "Note",
               "aria-label": `Note on ${queue.name}`,
             }),
             h("button", {
@@ -721,21 +748,19 @@
       || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0);
   }
 
-  const results = (data) => (Array.isArray(data) ? data : data?.results ?? []);
-
-  /** Draw the panels from ``STATE``, then fetch them again soon after events; hand each
-   * reading of the queues to ``onQueues``. */
-  function glancePanels(onQueues = () => {}) {
+  /** Draw the panels from ``STATE``, then fetch them again (/panels/, as bounded as the
+   * page) soon after events; hand each reading's counts to ``onCounts``. */
+  function glancePanels(onCounts = () => {}) {
     const queuesBody = document.querySelector("[data-queues]");
     const agentsBody = document.querySelector("[data-agents]");
     if (!queuesBody || !agentsBody) return () => {};
 
-    function drawQueues(queues) {
+    function drawQueues(queues, inAll) {
       const rows = new Map([...queuesBody.children].map((row) => [row.dataset.queue, row]));
-      const sorted = [...queues].sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
-      const names = new Set(sorted.map((queue) => queue.name));
+      // In the server's order: paused ones first, then the busiest.
+      const names = new Set(queues.map((queue) => queue.name));
       for (const [name, row] of rows) if (!names.has(name)) row.remove();
-      sorted.forEach((queue, index) => {
+      queues.forEach((queue, index) => {
         const fresh = queueRow(queue);
         let row = rows.get(queue.name);
         if (row && row.classList.contains("paused") === Boolean(queue.paused)) {
@@ -754,6 +779,12 @@
         }
       });
       document.querySelector("[data-queues-empty]").hidden = queues.length > 0;
+      const more = document.querySelector("[data-queues-more]");
+      if (more) {
+        more.hidden = inAll <= queues.length;
+        more.querySelector("[data-queues-more-text]").textContent =
+          `Showing ${queues.length} of ${inAll} queues: paused ones, then the busiest.`;
+      }
     }
 
     function drawAgents(agents) {
@@ -762,7 +793,7 @@
       document.querySelector("[data-agents-empty]").hidden = agents.length > 0;
     }
 
-    drawQueues(STATE.queues ?? []);
+    drawQueues(STATE.queues ?? [], STATE.queues_in_all ?? 0);
     drawAgents(STATE.agents ?? []);
 
     let timer = null;
@@ -771,12 +802,12 @@
       timer = null;
       if (signedOut) return;
       last = Date.now();
-      const [queues, agents] = await Promise.all([api("GET", "queues/"), api("GET", "agents/")]);
-      if (queues.ok) {
-        drawQueues(results(queues.data));
-        onQueues(results(queues.data));
-      }
-      if (agents.ok) drawAgents(results(agents.data));
+      const query = STATE.queue ? `?queue=${encodeURIComponent(STATE.queue)}` : "";
+      const panels = await request("GET", `/panels/${query}`);
+      if (!panels.ok) return;
+      drawQueues(panels.data.queues, panels.data.queues_in_all);
+      drawAgents(panels.data.agents);
+      onCounts(panels.data.counts);
       refreshTimes(queuesBody.closest(".glance"));
     }
 
@@ -789,6 +820,14 @@
     // A pause or resume is no task event, and last seen moves on: look again now and then.
     setInterval(soon, 15000);
     return soon;
+  }
+
+  /** Keep of a task's data what its card shows: the start of its progress (from
+   * ``progress``, unless the stream left it out for its size), not the data itself. */
+  function cardData(task, progress, elided) {
+    if (elided.includes("progress")) task.progress_text = "(progress too large to show here)";
+    else if (progress !== undefined) task.progress_text = progressText(progress);
+    for (const name of ["payload", "description", "result", "progress"]) delete task[name];
   }
 
   function boardPage() {
@@ -804,17 +843,9 @@
     // dependency id -> the ids of the drawn tasks that depend on it, to redraw their
     // "Waiting for" when it changes, and to read them again when it is requeued.
     const dependents = new Map();
-    const glanceSoon = glancePanels((queues) => {
+    const glanceSoon = glancePanels((fresh) => {
       // The server's counters are the truth; events move the counts in between.
-      const shown = queues.filter((queue) => !STATE.queue || queue.name === STATE.queue);
-      for (const status of Object.keys(counts)) counts[status] = 0;
-      for (const queue of shown) {
-        for (const [status, n] of Object.entries(queue.counts)) {
-          // The board counts blocked tasks as pending, as their status says.
-          const key = status === "blocked" ? "pending" : status;
-          if (key in counts) counts[key] += n;
-        }
-      }
+      for (const status of Object.keys(counts)) counts[status] = fresh[status] ?? 0;
       refreshCounts();
     });
 
@@ -874,6 +905,8 @@
     function addQueueOption(queue) {
       const select = document.getElementById("queue-select");
       if (!select || [...select.options].some((option) => option.value === queue)) return;
+      // As the server draws it, the filter offers no more queues than the panel shows.
+      if (select.options.length > (STATE.queues_limit ?? 50)) return;
       const options = [...select.options].slice(1);
       const next = options.find((option) => option.value > queue) ?? null;
       select.insertBefore(h("option", { value: queue }, queue), next);
@@ -898,11 +931,17 @@
           foreign.add(id);
           return;
         }
+        // A new task has no comments; of another, the page does not know how many.
+        if (event.type === "created") task.comments = 0;
+        cardData(task, task.progress, task.elided ?? []);
+        delete task.elided;
       }
       // Where the page does not know the status before (a task beyond the columns), the
       // counts wait for the queues panel's next reading, which replaces them.
       const before = statusOf.has(id) ? statusOf.get(id) : event.type === "created" ? null : undefined;
       applyToTask(task, event);
+      if (event.task) cardData(task, event.task.progress, elidedOf(event));
+      if (event.type === "commented" && typeof task.comments === "number") task.comments += 1;
       Known.set({ id, title: task.title, status: task.status, blocked: task.blocked });
       if (task.blocked) await Known.learn(task.depends_on ?? []);
       index(task);
@@ -1027,21 +1066,37 @@
 
   // -- A task's page ---------------------------------------------------------------------
 
-  /** An event's payload as key: value lines (strings as they are, the rest as JSON). */
-  function eventData(payload) {
-    const keys = Object.keys(payload).sort();
+  // A timeline shows this much of an event's text, and links the event's page for the rest
+  // (board_extras.clip).
+  const TEXT_LIMIT = STATE.event_text_limit ?? 1000;
+  const clip = (text) => truncate(text, TEXT_LIMIT);
+
+  /** An event's payload as key: value lines (strings as they are, the rest as JSON), long
+   * texts cut short; a value the stream left out for its size (``elided``) says so. */
+  function eventData(payload, elided) {
+    const keys = [...new Set([...Object.keys(payload), ...elided])].sort();
     if (!keys.length) return null;
     return h("dl", { class: "event-data" }, keys.map((key) => {
       const value = payload[key];
+      if (elided.includes(key)) {
+        return [h("dt", {}, key), h("dd", { class: "muted" }, "(too large to show here)")];
+      }
       if (typeof value === "string" && TIMESTAMP.test(value)) {
         return [h("dt", {}, key), h("dd", {}, h("time", { datetime: value }, absolute(value)))];
       }
       return [
         h("dt", {}, key),
         h("dd", { class: typeof value === "string" ? null : "mono" },
-          typeof value === "string" ? value : JSON.stringify(sortedKeys(value))),
+          clip(typeof value === "string" ? value : JSON.stringify(sortedKeys(value)))),
       ];
     }));
+  }
+
+  /** Whether the timeline cuts some of ``event`` short, or the stream left some out. */
+  function clipped(event) {
+    if ((event.elided ?? []).length) return true;
+    return Object.values(event.payload || {}).some((value) =>
+      (typeof value === "string" ? value : JSON.stringify(value)).length > TEXT_LIMIT);
   }
 
   /** A timeline entry: ``event``, or with ``run`` ({ids, firstAt}) the last heartbeat of a
@@ -1069,8 +1124,12 @@
         h("span", { class: `badge badge-${event.status}` }, label(event.status)),
         when),
       event.type === "commented"
-        ? h("p", { class: "comment-body" }, String(payload.body ?? ""))
-        : eventData(payload));
+        ? h("p", { class: "comment-body" }, clip(String(payload.body ?? "")))
+        : eventData(payload, event.elided ?? []),
+      clipped(event)
+        ? h("p", { class: "event-more" },
+          h("a", { href: `/tasks/${event.task_id}/events/${event.id}/` }, "Show all of this event"))
+        : null);
     if (run) refreshTimes(item);
     return item;
   }
@@ -1113,6 +1172,7 @@
     const timeline = document.querySelector("[data-timeline]");
     const field = (name) => document.querySelector(`[data-field="${name}"]`);
     for (const item of timeline.children) for (const id of entryIds(item)) seen.add(id);
+    let eventCount = STATE.event_count;
 
     const relations = STATE.relations ?? { parent: null, children: [], dependencies: [], dependents: [] };
     // Every related task by id (one task may be in two lists), kept current by events.
@@ -1175,6 +1235,9 @@
       lease.textContent = "";
       field("stalled").hidden = true;
       field("blocked").hidden = !task.blocked;
+      // Shown only to those who may triage (the server draws it for them alone).
+      const triage = field("triage-panel");
+      if (triage) triage.hidden = task.status !== "escalated";
       const deadline = deadlineOf(task);
       const deadlineNode = field("deadline");
       deadlineNode.hidden = !deadline;
@@ -1196,8 +1259,7 @@
       field("result").hidden = !hasResult;
       field("result").textContent = hasResult ? prettyJSON(task.result) : "";
       field("no-result").hidden = hasResult;
-      field("event-count").textContent = [...timeline.children]
-        .reduce((sum, item) => sum + entryIds(item).length, 0);
+      field("event-count").textContent = eventCount;
       refreshLeases();
       refreshTimes();
     }
@@ -1209,8 +1271,15 @@
       }
       if (seen.has(event.id)) return;
       seen.add(event.id);
-      addToTimeline(timeline, event);
+      eventCount += 1;
+      // An older page of the timeline stays as it is: its "Newer events" lead on.
+      if (STATE.timeline_live) addToTimeline(timeline, event);
       applyToTask(task, event);
+      if (elidedOf(event).length) {
+        // The page shows every field: read what the stream left out.
+        const full = await fetchTask(task.id);
+        if (full) Object.assign(task, full);
+      }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();
       Leases.check(task, event);
