@@ -125,6 +125,8 @@ class Command(BaseCommand):
             lifespan="on",
             # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
+            # With --workers: how long a process may not answer before it is replaced.
+            timeout_worker_healthcheck=settings.TASKBOARD_WORKER_TIMEOUT,
             log_level=(os.environ.get("LOG_LEVEL") or "info").lower(),
             proxy_headers=True,
             server_header=False,
