@@ -43,6 +43,20 @@ from uvicorn.supervisors import Multiprocess
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# Behind Pushpin (GRIP_URL set), every response closes its connection. Pushpin's requests
+# to the board are made by zurl with libcurl, which sends a request again, on a new
+# connection, when a connection it reused ends before any of the answer arrived: what a
+# server process killed mid-request looks like, though PostgreSQL may already have carried
+# the request out (or will, when a lock it waits for is released). Another process then
+# carries it out a second time: two tasks from one create, a complete answered 409
+# lease_lost after it succeeded. libcurl resends only a request made on a reused
+# connection (it cannot tell a request the server never read from one it did): with no
+# connection kept for a next request, a process's death reaches the client as Pushpin's
+# 502, and the client decides (an Idempotency-Key makes a create safe to send again).
+# The cost is a loopback connect per request (measured in the README's deployment section).
+BEHIND_PUSHPIN_HEADERS = [("connection", "close")]
+
+
 class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol (httptools, as uvicorn picks by default), whose answer
     to a request it cannot parse (a control character in a header, say) is the API's JSON
@@ -53,7 +67,8 @@ class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol)
         body = json.dumps({"error": "invalid", "detail": msg}).encode()
         head = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
+            if name.lower() != b"connection":  # closed below in any case
+                head += [name, b": ", value, b"\r\n"]
         head += [
             b"content-type: application/json\r\n",
             b"content-length: " + str(len(body)).encode() + b"\r\n",

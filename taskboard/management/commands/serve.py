@@ -131,6 +131,7 @@ class Command(BaseCommand):
             proxy_headers=True,
             server_header=False,
             http=server.HttpToolsProtocol,
+            headers=server.BEHIND_PUSHPIN_HEADERS if settings.GRIP_URL else None,
         )
         try:
             server.run(config)
