@@ -140,7 +140,17 @@ class Supervisor(Multiprocess):
     # SIGHUP or SIGTTIN): with the socket closed, none is started; a start under way fails
     # on the closed socket, which is what stopping wants.
     def keep_subprocess_alive(self) -> None:
+        self._close_workers_ends()
         self._unless_closing(super().keep_subprocess_alive)
+
+    def _close_workers_ends(self) -> None:
+        """Close this process's copy of each started worker's end of its health-check pipe
+        (the worker has its own from its start): a worker that dies while a check waits
+        for its answer then ends the wait at once (end of file), where uvicorn, which keeps
+        both ends, waited out the whole TASKBOARD_WORKER_TIMEOUT before replacing it."""
+        for process in self.processes:
+            if process.process.pid is not None and not process.child_conn.closed:
+                process.child_conn.close()
 
     def handle_hup(self) -> None:
         self._unless_closing(super().handle_hup)

@@ -140,3 +140,25 @@ def test_a_worker_stopped_for_longer_than_uvicorns_check_carries_on_when_continu
         second.resume()
     assert workers_of(server) == [first, second]
     assert "died" not in server.output
+
+
+def test_a_worker_killed_while_its_check_waits_is_replaced_at_once(
+    start_serve: Callable[..., ServeProcess],
+) -> None:
+    """Stopped, the worker leaves the supervisor's check waiting for its answer; killed
+    then, it is replaced at once, not when TASKBOARD_WORKER_TIMEOUT (30 s) has passed."""
+    server = start_serve("--workers", "2")
+    first, second = eventually(lambda: workers_of(server), timeout=30, what="two workers")
+
+    first.suspend()
+    time.sleep(1)  # the supervisor checks every half second: a check now waits on it
+    first.kill()
+
+    eventually(
+        lambda: f"Child process [{first.pid}] died" in server.output,
+        timeout=5,
+        what="the killed worker's replacement",
+    )
+    replaced = eventually(lambda: workers_of(server), timeout=30, what="two workers again")
+    assert second in replaced and first not in replaced
+    assert server.health(timeout=5) == 200
