@@ -369,8 +369,10 @@ def _what_is_left(
         return "Nothing was dropped and no file was written."
     _keep(partial, to, dropped=[month.month for month in archived], written=written)
     events = sum(month.events for month in archived)
+    first, last = f"{archived[0].month:%Y-%m}", f"{archived[-1].month:%Y-%m}"
+    months = first if first == last else f"{first} to {last}"
     return (
-        f"{events:,} event{'' if events == 1 else 's'} of {archived[0].month:%Y-%m} to "
-        f"{archived[-1].month:%Y-%m} were archived to {to} and dropped; {stopped:%Y-%m} and "
+        f"{events:,} event{'' if events == 1 else 's'} of {months} "
+        f"{'was' if events == 1 else 'were'} archived to {to} and dropped; {stopped:%Y-%m} and "
         "the months after it are still in the database: archive them later, to another file."
     )
