@@ -6,7 +6,7 @@ month before the boundary, oldest first:
 1. export: every event of the month, in id order, one JSON line each: the event as the
    API renders it (``EventSerializer``) plus its ``txid``, which a restore needs to put
    the row back exactly (the stream's cursor is (txid, id)). The file is written as
-   ``FILE.partial`` (gzip when FILE ends in ``.gz``) and renamed to FILE once verified;
+   ``FILE.partial`` (gzip when FILE ends in ``.gz``);
 2. verify: the file is read back and, month by month, its events' count, the sum of their
    ids and a SHA-256 of their lines (in a canonical JSON form) must equal those of the rows
    read from the database;
@@ -15,7 +15,12 @@ month before the boundary, oldest first:
    dropped, in one transaction per month (board.transitions.drop_event_partition). Per
    month, not all at once: the lock that holds back every new event is held for one
    month's check and drop at a time, and a failure leaves every month before it archived
-   and dropped, the failing one and those after it in place, and the file complete.
+   and dropped, the failing one and those after it in place;
+4. keep: only then is the file given its name FILE, holding exactly the months that left
+   the database. When a drop fails, FILE holds the months dropped before it (rewritten
+   from ``FILE.partial`` without the others), or is not made at all when none was: a
+   file under its final name never holds events still in the database, so archiving
+   those again later never puts an event in two files (which would double a restore).
 
 Events that the DEFAULT partition holds before the boundary are first moved into their
 months' partitions. Tasks are not touched: their history in the API starts at the boundary.
@@ -41,7 +46,8 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from django.db import connection
+import psycopg
+from django.db import OperationalError, connection
 from django.db.models.expressions import RawSQL
 
 from board import exceptions, transitions
@@ -61,8 +67,12 @@ class ArchiveFailed(Exception):
 
 
 class DeliveriesPending(Exception):
-    """Deliveries of events to archive are still pending: before anything was written, or
-    (made pending by a staff retry meanwhile) before the month was dropped."""
+    """Deliveries of events to archive are still pending: nothing was written or dropped."""
+
+
+class DropStopped(Exception):
+    """A month could not be dropped; the months before it were, and only they are in the
+    file (none: no file)."""
 
 
 @dataclass
@@ -169,19 +179,70 @@ def _refuse_pending_deliveries(boundary: datetime) -> None:
         )
 
 
+# Making, detaching and dropping partitions lock task_events with all its partitions:
+# any transaction that reads one of them (a long query, pg_dump) holds them back until it
+# ends, and board.transitions gives up after trying for about half a minute.
+LOCKED = (
+    "another transaction kept task_events or one of its partitions locked (a long-running "
+    "query, or pg_dump) for as long as the archive waited (about 30 s)."
+)
+
+
+def _gave_up_waiting(exc: OperationalError) -> bool:
+    return isinstance(exc.__cause__, psycopg.errors.LockNotAvailable)
+
+
 def _drop(month: datetime, tally: Tally) -> None:
     """Drop the month's partition (board.transitions), which checks, under the locks that
-    the drop takes, that no delivery of its events became pending meanwhile (a staff retry
-    of a failed one)."""
+    the drop takes, that it holds what the file holds and that no delivery of its events
+    became pending meanwhile (a staff retry of a failed one). Raise DropStopped, saying
+    why, when it cannot."""
     try:
         transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
     except exceptions.PendingDeliveries as exc:
-        raise DeliveriesPending(
+        raise DropStopped(
             f"{_how_many(exc.pending)} of events of {month:%Y-%m} became pending since the "
-            f"archive started ({_by_webhook(exc.pending)}): {month:%Y-%m} and the months after "
-            f"it are still in the database, and the file is complete. {UNTIL_SETTLED} Then "
-            "archive again, to another file."
+            f"archive started ({_by_webhook(exc.pending)}). {UNTIL_SETTLED}"
         ) from exc
+    except exceptions.ArchiveMismatch as exc:
+        raise DropStopped(
+            f"{month:%Y-%m} gained events since they were written to the file (a month still "
+            f"being written): {str(exc).splitlines()[0]}."
+        ) from exc
+    except OperationalError as exc:
+        if not _gave_up_waiting(exc):
+            raise
+        raise DropStopped(f"{month:%Y-%m} could not be dropped: {LOCKED}") from exc
+
+
+def _keep(partial: Path, to: Path, *, dropped: list[date], written: dict[date, Tally]) -> None:
+    """Give ``to`` the lines of the ``dropped`` months only, read from ``partial`` (in
+    month order), checked against what was written, then remove ``partial``."""
+    gzipped = to.name.endswith(".gz")
+    kept = to.with_name(to.name + ".kept")
+    tallies: dict[date, Tally] = {}
+    with (
+        _reading(partial, gzipped=gzipped) as lines,
+        _writing(kept, final_name=to.name, gzipped=gzipped) as out,
+    ):
+        for text in lines:
+            line = json.loads(text)
+            if (month := _month_of(line)) in dropped:
+                out.write(text)
+                tallies.setdefault(month, Tally()).add(line)
+    for month in dropped:
+        found, expected = tallies.get(month, Tally()), written[month]
+        if (found.count, found.id_sum, found.sha256) != (
+            expected.count,
+            expected.id_sum,
+            expected.sha256,
+        ):
+            raise ArchiveFailed(
+                f"{kept} does not hold {month:%Y-%m} as written; the events of the months "
+                f"dropped are in {partial}."
+            )
+    os.replace(kept, to)
+    partial.unlink()
 
 
 def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
@@ -248,7 +309,15 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
     if not transitions.event_partitions_supported():
         raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
     _refuse_pending_deliveries(boundary)
-    transitions.split_default_event_partition(before=boundary)
+    try:
+        transitions.split_default_event_partition(before=boundary)
+    except OperationalError as exc:
+        if not _gave_up_waiting(exc):
+            raise
+        raise ArchiveRefused(
+            f"The events of the DEFAULT partition could not be moved to their months: {LOCKED} "
+            "Nothing was written or dropped."
+        ) from exc
     months = _months_before(boundary)
 
     partial = to.with_name(to.name + ".partial")
@@ -271,11 +340,39 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
             )
     if set(read) - set(written):
         raise ArchiveFailed(f"{partial} holds events of months it should not. Nothing was dropped.")
-    os.replace(partial, to)
 
-    archived = []
+    archived: list[MonthArchived] = []
     for month in months:
         tally = written[month.date()]
-        _drop(month, tally)
+        try:
+            _drop(month, tally)
+        except DropStopped as exc:
+            left = _what_is_left(archived, month, partial=partial, to=to, written=written)
+            raise DropStopped(f"{exc} {left}") from exc
         archived.append(MonthArchived(month.date(), tally.count, tally.sha256))
+    os.replace(partial, to)
     return Archived(to, archived)
+
+
+def _what_is_left(
+    archived: list[MonthArchived],
+    stopped: datetime,
+    *,
+    partial: Path,
+    to: Path,
+    written: dict[date, Tally],
+) -> str:
+    """Leave ``to`` holding exactly the months ``archived`` (dropped), or no file when none
+    was; return a sentence saying so."""
+    if not archived:
+        partial.unlink()
+        return "Nothing was dropped and no file was written."
+    _keep(partial, to, dropped=[month.month for month in archived], written=written)
+    events = sum(month.events for month in archived)
+    first, last = f"{archived[0].month:%Y-%m}", f"{archived[-1].month:%Y-%m}"
+    months = first if first == last else f"{first} to {last}"
+    return (
+        f"{events:,} event{'' if events == 1 else 's'} of {months} "
+        f"{'was' if events == 1 else 'were'} archived to {to} and dropped; {stopped:%Y-%m} and "
+        "the months after it are still in the database: archive them later, to another file."
+    )

@@ -45,6 +45,20 @@ from uvicorn.supervisors import Multiprocess
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# Behind Pushpin (GRIP_URL set), every response closes its connection. Pushpin's requests
+# to the board are made by zurl with libcurl, which sends a request again, on a new
+# connection, when a connection it reused ends before any of the answer arrived: what a
+# server process killed mid-request looks like, though PostgreSQL may already have carried
+# the request out (or will, when a lock it waits for is released). Another process then
+# carries it out a second time: two tasks from one create, a complete answered 409
+# lease_lost after it succeeded. libcurl resends only a request made on a reused
+# connection (it cannot tell a request the server never read from one it did): with no
+# connection kept for a next request, a process's death reaches the client as Pushpin's
+# 502, and the client decides (an Idempotency-Key makes a create safe to send again).
+# The cost is a loopback connect per request (measured in the README's deployment section).
+BEHIND_PUSHPIN_HEADERS = [("connection", "close")]
+
+
 class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol (httptools, as uvicorn picks by default), with two
     changes uvicorn has no setting for:
@@ -123,7 +137,8 @@ def _plain_response(protocol: HttpToolsProtocol, status: int, reason: str, body:
     by the protocol itself (no application is involved)."""
     head = [f"HTTP/1.1 {status} {reason}\r\n".encode()]
     for name, value in protocol.server_state.default_headers:
-        head += [name, b": ", value, b"\r\n"]
+        if name.lower() != b"connection":  # closed below in any case
+            head += [name, b": ", value, b"\r\n"]
     head += [
         b"content-type: application/json\r\n",
         b"content-length: " + str(len(body)).encode() + b"\r\n",
@@ -204,7 +219,17 @@ class Supervisor(Multiprocess):
     # SIGHUP or SIGTTIN): with the socket closed, none is started; a start under way fails
     # on the closed socket, which is what stopping wants.
     def keep_subprocess_alive(self) -> None:
+        self._close_workers_ends()
         self._unless_closing(super().keep_subprocess_alive)
+
+    def _close_workers_ends(self) -> None:
+        """Close this process's copy of each started worker's end of its health-check pipe
+        (the worker has its own from its start): a worker that dies while a check waits
+        for its answer then ends the wait at once (end of file), where uvicorn, which keeps
+        both ends, waited out the whole TASKBOARD_WORKER_TIMEOUT before replacing it."""
+        for process in self.processes:
+            if process.process.pid is not None and not process.child_conn.closed:
+                process.child_conn.close()
 
     def handle_hup(self) -> None:
         self._unless_closing(super().handle_hup)

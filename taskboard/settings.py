@@ -388,6 +388,14 @@ for _proxy in FORWARDED_ALLOW_IPS:
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
 TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 
+# Seconds a server process of ``serve --workers N`` may leave its supervisor's check (made
+# every half second, answered by a thread of its own) unanswered before it is killed and
+# replaced: only a process that is stopped (SIGSTOP, a debugger) or frozen whole misses it.
+# uvicorn's 5 s killed a process paused any longer; a stopped process is meant to carry on
+# where it was when continued (a resumed stream repeats nothing, its claims are counted).
+# 30 s, as gunicorn's worker timeout: a process frozen for good still goes in half a minute.
+TASKBOARD_WORKER_TIMEOUT = env_int("TASKBOARD_WORKER_TIMEOUT", 30, minimum=1, maximum=86_400)
+
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10, minimum=0)

@@ -415,6 +415,111 @@ def test_a_partition_that_does_not_hold_what_the_file_holds_is_not_dropped(
     assert sql(f"SELECT count(*) FROM {partition_of(month)}") == [(count,)]
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["events.jsonl", "events.jsonl.gz"])
+def test_a_month_that_gains_an_event_after_the_export_stays_out_of_the_file(
+    history: dict[str, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A month still being written (the current one, say) refuses its drop; the file then
+    holds the months dropped before it and nothing else, so archiving that month again to
+    another file puts none of its events in two files."""
+    from board import archive
+
+    read_back = archive._read_back
+    late: list[int] = []
+
+    def an_event_arrives_meanwhile(path: Path, *, gzipped: bool) -> dict[Any, archive.Tally]:
+        late.append(past_event(Task.objects.get(title="old"), month_start(2) + timedelta(days=2)))
+        return read_back(path, gzipped=gzipped)
+
+    monkeypatch.setattr(archive, "_read_back", an_event_arrives_meanwhile)
+    target = tmp_path / name
+    before = f"{month_start(1):%Y-%m-%d}"
+
+    with pytest.raises(CommandError) as stopped:
+        call_command("archive", "--before", before, "--to", str(target))
+
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert f"{month_start(2):%Y-%m} gained events since they were written to the file" in message
+    assert f"were archived to {target} and dropped" in message
+    assert [line["id"] for line in read_lines(target)] == history["archived"][:2]
+    assert not (tmp_path / f"{name}.partial").exists()
+    assert partition_of(month_start(2)) in partitions()
+    assert partition_of(month_start(3)) not in partitions()
+
+    monkeypatch.setattr(archive, "_read_back", read_back)
+    again = tmp_path / f"again-{name}"
+    call_command("archive", "--before", before, "--to", str(again))
+    assert [line["id"] for line in read_lines(again)] == [*history["archived"][2:], *late]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_month_held_by_a_reader_stops_the_archive_in_one_line_and_leaves_no_file(
+    history: dict[str, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction reading the month's partition (as pg_dump does) holds its drop back:
+    once the archive gives up waiting it says so in one line, drops nothing and leaves no
+    file, neither under its name nor as ``.partial``."""
+    import psycopg
+
+    from tests.processes import tests_database_url
+
+    # The drop's twenty tries, without their growing pauses between them.
+    monkeypatch.setattr(transitions.random, "uniform", lambda low, high: 0.0)
+    target = tmp_path / "a.jsonl.gz"
+    before = f"{month_start(1):%Y-%m-%d}"
+    events_before = TaskEvent.objects.count()
+    transitions.split_default_event_partition(before=month_start(1))  # before the reader
+
+    with psycopg.connect(tests_database_url()) as reader:
+        reader.execute(f"SELECT count(*) FROM {partition_of(month_start(2))}").fetchone()
+        with pytest.raises(CommandError) as stopped:
+            call_command("archive", "--before", before, "--to", str(target))
+        reader.rollback()
+
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert f"{month_start(14):%Y-%m} could not be dropped: another transaction kept " in message
+    assert message.endswith("Nothing was dropped and no file was written.")
+    assert list(tmp_path.iterdir()) == []
+    assert TaskEvent.objects.count() == events_before
+    assert {partition_of(month_start(n)) for n in (2, 3, 14)} <= partitions()
+
+    call_command("archive", "--before", before, "--to", str(target))
+    assert [line["id"] for line in read_lines(target)] == history["archived"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_events_held_in_the_default_partition_by_a_reader_refuse_the_archive_in_one_line(
+    history: dict[str, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psycopg
+
+    from tests.processes import tests_database_url
+
+    monkeypatch.setattr(transitions.random, "uniform", lambda low, high: 0.0)
+    stray = past_event(Task.objects.get(title="old"), month_start(40))  # a month no test makes
+    assert home_of(stray) == "task_events_default"
+
+    with psycopg.connect(tests_database_url()) as reader:
+        reader.execute("SELECT count(*) FROM task_events_default").fetchone()
+        with pytest.raises(CommandError) as refused:
+            call_command(
+                "archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a")
+            )
+        reader.rollback()
+
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("The events of the DEFAULT partition could not be moved")
+    assert message.endswith("Nothing was written or dropped.")
+    assert list(tmp_path.iterdir()) == []
+    assert home_of(stray) == "task_events_default"
+
+
 # --- archive and the deliveries still to make ---------------------------------------------
 
 
@@ -522,8 +627,10 @@ def test_a_delivery_retried_during_the_archive_stops_the_drop_of_its_month(
 
     assert partition_of(month_start(2)) in partitions()  # and so the event and its delivery
     assert TaskEvent.objects.filter(pk=delivery.event_id).exists()
-    assert partition_of(month_start(14)) not in partitions()  # the month before it went
-    assert delivery.event_id in {line["id"] for line in read_lines(target)}  # complete
+    assert partition_of(month_start(14)) not in partitions()  # the months before it went
+    # The file holds the months dropped, and only them.
+    assert [line["id"] for line in read_lines(target)] == history["archived"][:2]
+    assert not (tmp_path / "a.jsonl.partial").exists()
 
 
 @pytest.mark.slow

@@ -250,6 +250,7 @@ def test_log_level_is_taken_in_any_case() -> None:
         ("TASKBOARD_MAX_FAILURES", "101", "TASKBOARD_MAX_FAILURES must be from 1 to 100"),
         ("TASKBOARD_HEALTH_TIMEOUT", "0", "TASKBOARD_HEALTH_TIMEOUT must be 1 or more"),
         ("TASKBOARD_BODY_TIMEOUT", "0", "TASKBOARD_BODY_TIMEOUT must be 1 or more"),
+        ("TASKBOARD_WORKER_TIMEOUT", "0", "TASKBOARD_WORKER_TIMEOUT must be from 1 to 86400"),
         ("TASKBOARD_TOKEN_CACHE_SECONDS", "-1", "TASKBOARD_TOKEN_CACHE_SECONDS must be 0 or"),
         ("DATABASE_CONNECT_TIMEOUT", "0", "DATABASE_CONNECT_TIMEOUT must be 1 or more"),
         ("LOG_LEVEL", "bogus", "LOG_LEVEL must be critical, error, warning, info or debug"),

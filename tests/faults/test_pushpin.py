@@ -16,11 +16,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import psutil
+import psycopg
 import pytest
 from django.db import connection
 
 from board import transitions
+from board.models import Task
 from taskboard.client import SSEParser
 from tests import processes
 from tests.factories import UserFactory
@@ -293,3 +296,111 @@ def test_every_client_gets_every_event_once_when_pushpin_restarts(
     assert killed.is_set()
     assert_every_client_got_every_event_once_in_order(clients, expected)
     assert all(client.reconnects > client.reconnects_to_start for client in clients)
+
+
+# --- a request whose server process dies while PostgreSQL holds it ------------------------
+
+
+def sessions_waiting() -> list[tuple[int, int]]:
+    """The (pid, client port) of the test database's sessions that wait for a lock, oldest
+    first (behind the test's own lock, or behind another that waits for it: a second
+    waiter for a row waits for the first)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, client_port FROM pg_stat_activity "
+            "WHERE datname = current_database() AND cardinality(pg_blocking_pids(pid)) > 0 "
+            "ORDER BY backend_start"
+        )
+        rows = cursor.fetchall()
+    connection.close()
+    return [(int(pid), int(port)) for pid, port in rows]
+
+
+def session_ended(pid: int) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid])
+        ended = cursor.fetchone() is None
+    connection.close()
+    return ended
+
+
+def process_with_port(server: ServeProcess, port: int) -> psutil.Process | None:
+    """The server process whose database connection leaves from local ``port``."""
+    for worker in server_processes(server):
+        with contextlib.suppress(psutil.Error):
+            if any(c.laddr.port == port for c in worker.net_connections("tcp")):
+                return worker
+    return None
+
+
+@pytest.mark.parametrize("request_kind", ["create", "complete"])
+def test_a_request_whose_process_is_killed_inside_the_database_is_not_sent_again(
+    behind_pushpin: ServeProcess, token_for: Callable[[str], str], request_kind: str
+) -> None:
+    """The process that serves a POST is killed while its statement waits for a lock in
+    PostgreSQL, which then carries it out when the lock is released: the client is told
+    that the request failed (Pushpin's 502), and it is not sent to another process, which
+    would carry it out a second time (two tasks from one create; a complete that answers
+    409 lease_lost when its first run succeeded)."""
+    headers = {"Authorization": f"Bearer {token_for('agent-under-lock')}"}
+    api = httpx.Client(base_url=f"{behind_pushpin.url}/api/v1", headers=headers, timeout=60)
+    created = api.post("/tasks/", json={"title": "to complete"})
+    assert created.status_code == 201, created.text
+    [claimed] = api.post("/tasks/claim/", json={}).json()["tasks"]
+    # Requests first, so that Pushpin's connections to the server processes are open and
+    # kept alive when the one that is killed is sent.
+    for _ in range(6):
+        assert api.get("/tasks/", params={"limit": 1}).status_code == 200
+
+    with psycopg.connect(processes.tests_database_url(), autocommit=False) as locker:
+        if request_kind == "create":
+            # Holds the create's foreign-key check on its user, at its commit.
+            locker.execute(
+                "SELECT 1 FROM auth_user WHERE username = 'agent-under-lock' FOR UPDATE"
+            ).fetchone()
+            path, body = "/tasks/", {"title": "made once"}
+        else:
+            locker.execute("SELECT 1 FROM tasks WHERE id = %s FOR UPDATE", [claimed["id"]])
+            path = f"/tasks/{claimed['id']}/complete/"
+            body = {"lease_token": claimed["lease_token"]}
+        answers: list[httpx.Response | Exception] = []
+
+        def send() -> None:
+            try:
+                answers.append(api.post(path, json=body))
+            except Exception as exc:
+                answers.append(exc)
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        [(backend, port)] = eventually(
+            lambda: sessions_waiting(), timeout=30, what="a session waiting"
+        )
+        worker = eventually(
+            lambda: process_with_port(behind_pushpin, port), what="the session's server process"
+        )
+        worker.kill()
+        # Sent again, the request would reach the other process and wait behind the lock too.
+        eventually(
+            lambda: len(sessions_waiting()) > 1 or not sending.is_alive(),
+            timeout=15,
+            what="an answer or a second session waiting",
+        )
+        locker.rollback()
+        sending.join(60)
+    # The killed process's session carries its statement out once the lock is free, and
+    # ends when it cannot answer.
+    eventually(lambda: session_ended(backend), timeout=30, what="the killed process's session")
+
+    [answer] = answers
+    assert isinstance(answer, httpx.Response), answer
+    if request_kind == "create":
+        assert Task.objects.filter(title="made once").count() == 1
+    else:
+        assert Task.objects.get(pk=claimed["id"]).status == "done"
+    assert answer.status_code == 502, answer.text
+    if request_kind == "complete":
+        # The client sends it again, and learns that the first one took effect.
+        again = api.post(path, json=body)
+        assert again.status_code == 409 and again.json()["status"] == "done", again.text
+    api.close()

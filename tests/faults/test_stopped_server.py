@@ -1,11 +1,15 @@
 """A server process stopped (SIGSTOP) while another serves, then continued: a stream
-resumed on it must not repeat what the client has already seen (issue 8, defect 3)."""
+resumed on it must not repeat what the client has already seen (issue 8, defect 3), and
+a worker of ``serve --workers N`` stopped for longer than uvicorn's own health check
+allows is still there to carry on (TASKBOARD_WORKER_TIMEOUT)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -99,3 +103,62 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
     assert repeated == [], (
         f"B sent {len(repeated)} events again, ids {repeated[0]}..{repeated[-1]} (<= {newest})"
     )
+
+
+def workers_of(server: ServeProcess) -> list[psutil.Process] | None:
+    """The two uvicorn worker processes of ``serve --workers 2``, once both are up."""
+    children = psutil.Process(server.pid).children()
+    workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    return workers if len(workers) == 2 else None
+
+
+def test_a_worker_stopped_for_longer_than_uvicorns_check_carries_on_when_continued(
+    start_serve: Callable[..., ServeProcess],
+) -> None:
+    server = start_serve("--workers", "2")
+    first, second = eventually(lambda: workers_of(server), timeout=30, what="two workers")
+
+    first.suspend()
+    try:
+        # uvicorn's supervisor killed a worker that left its check unanswered for 5 s:
+        # nothing shows that it has not, but time past it (the other serves meanwhile).
+        stopped_until = time.monotonic() + 8
+        while time.monotonic() < stopped_until:
+            assert server.health(timeout=5) == 200
+            time.sleep(0.5)
+        assert first.is_running(), "the stopped worker was killed"
+        assert first.status() == psutil.STATUS_STOPPED
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            first.resume()
+
+    # With the other stopped, only the one continued can answer.
+    second.suspend()
+    try:
+        assert server.health(timeout=10) == 200
+    finally:
+        second.resume()
+    assert workers_of(server) == [first, second]
+    assert "died" not in server.output
+
+
+def test_a_worker_killed_while_its_check_waits_is_replaced_at_once(
+    start_serve: Callable[..., ServeProcess],
+) -> None:
+    """Stopped, the worker leaves the supervisor's check waiting for its answer; killed
+    then, it is replaced at once, not when TASKBOARD_WORKER_TIMEOUT (30 s) has passed."""
+    server = start_serve("--workers", "2")
+    first, second = eventually(lambda: workers_of(server), timeout=30, what="two workers")
+
+    first.suspend()
+    time.sleep(1)  # the supervisor checks every half second: a check now waits on it
+    first.kill()
+
+    eventually(
+        lambda: f"Child process [{first.pid}] died" in server.output,
+        timeout=5,
+        what="the killed worker's replacement",
+    )
+    replaced = eventually(lambda: workers_of(server), timeout=30, what="two workers again")
+    assert second in replaced and first not in replaced
+    assert server.health(timeout=5) == 200

@@ -11,7 +11,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from board import archive
-from board.exceptions import ArchiveMismatch
 
 
 def first_of_month(value: str) -> date:
@@ -41,7 +40,7 @@ class Command(BaseCommand):
             archive.ArchiveRefused,
             archive.ArchiveFailed,
             archive.DeliveriesPending,
-            ArchiveMismatch,
+            archive.DropStopped,
         ) as exc:
             raise CommandError(str(exc)) from exc
         except OSError as exc:

@@ -160,12 +160,15 @@ class Command(BaseCommand):
             lifespan="on",
             # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
+            # With --workers: how long a process may not answer before it is replaced.
+            timeout_worker_healthcheck=settings.TASKBOARD_WORKER_TIMEOUT,
             log_level=(os.environ.get("LOG_LEVEL") or "info").lower(),
             proxy_headers=bool(proxies),
             forwarded_allow_ips=proxies,
             server_header=False,
             http=server.HttpToolsProtocol,
             header_timeout=settings.TASKBOARD_HEADER_TIMEOUT,
+            headers=server.BEHIND_PUSHPIN_HEADERS if settings.GRIP_URL else None,
         )
         try:
             server.run(config, listener)
