@@ -17,6 +17,10 @@ is lost.
 It keeps the most recent events in memory, so a browser that reconnects is usually
 replayed what it missed without touching the database; older gaps are read from
 ``task_events`` through a small pool (at most two connections) shared by all streams.
+That memory is bounded in bytes (``TASKBOARD_STREAM_BUFFER_BYTES``), whatever the size of
+tasks: large values are not read with the events (``stream_after``), and a streamed event
+carries each of them only up to :data:`ELIDE_BYTES` (``elided`` names the others), so
+that no event is over :data:`MAX_EVENT_BYTES`.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import functools
 import json
 import logging
 import os
+import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -63,6 +68,20 @@ SSE_EVENT_TYPE = "task_event"
 # bigint, unlikely to be used elsewhere.
 LEADER_LOCK = 0x7461736B626F6172  # "taskboar"
 
+# A value of a streamed event's task (TASK_LARGE_FIELDS) or payload larger than this, as
+# JSON in the event, is sent as null and named in ``elided``: read the task for it.
+ELIDE_BYTES = 8 * 1024
+# What no streamed event's data exceeds: values are elided, largest first, until it fits.
+MAX_EVENT_BYTES = 64 * 1024
+TASK_LARGE_FIELDS = ("description", "payload", "result", "progress", "last_error")
+# What the relay reads of a large value (stream_after): twice ELIDE_BYTES, since the text
+# PostgreSQL writes for jsonb (a space after each comma and colon, characters unescaped)
+# may be longer than the event's JSON of the same value, never twice as long.
+READ_BYTES = 2 * ELIDE_BYTES
+# What a buffered event costs beyond its row or its encoding: the StreamEvent, its
+# cursor, its datetimes and its place in the buffer.
+EVENT_OVERHEAD_BYTES = 600
+
 
 @dataclass(frozen=True, order=True)
 class Cursor:
@@ -89,6 +108,10 @@ class StreamEvent:
     # The relay's row of the event until a stream or the publisher first asks for the SSE
     # (see :attr:`sse`), then the SSE itself.
     source: dict[str, Any] | bytes = field(repr=False)
+    # What the event takes in memory (see _row_bytes), and the relay whose buffer holds
+    # it, told when encoding changes that (see :attr:`sse`).
+    size: int = field(default=0, repr=False)
+    buffered_in: Relay | None = field(default=None, repr=False)
 
     @property
     def sse(self) -> bytes:
@@ -103,7 +126,23 @@ class StreamEvent:
         if not isinstance(source, bytes):
             source = _encode(source)
             object.__setattr__(self, "source", source)
+            size = sys.getsizeof(source) + EVENT_OVERHEAD_BYTES
+            change = size - self.size
+            object.__setattr__(self, "size", size)
+            if self.buffered_in is not None:
+                self.buffered_in.resized(change)
         return source
+
+
+def _row_bytes(row: dict[str, Any]) -> int:
+    """What a ``stream_after`` row takes in memory: the dict, its values and their items
+    (a list of dependencies), with the event around it."""
+    size = sys.getsizeof(row) + EVENT_OVERHEAD_BYTES
+    for value in row.values():
+        size += sys.getsizeof(value)
+        if isinstance(value, list):
+            size += sum(sys.getsizeof(item) for item in value)
+    return size
 
 
 def _stream_event(row: dict[str, Any]) -> StreamEvent:
@@ -118,13 +157,18 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         run_after=row["run_after"],
         leased_until=row["leased_until"],
         source=row,
+        size=_row_bytes(row),
     )
 
 
 def _encode(row: dict[str, Any]) -> bytes:
     """The SSE of a ``stream_after`` row: the Event, and in its ``task`` the task as it is
     after the event (None when a later event of the task has committed, which carries it
-    instead)."""
+    instead).
+
+    A large value (see ELIDE_BYTES) of the task, or of the event's payload, is null and
+    named in the task's, or the event's, ``elided``; present only when not empty.
+    """
     from board.api.serializers import EventSerializer, TaskSerializer, render
     from board.models import Task, TaskEvent
 
@@ -134,18 +178,68 @@ def _encode(row: dict[str, Any]) -> bytes:
         type=row["event_type"],
         status=row["event_status"],
         actor=row["actor"],
-        payload=row["event_payload"],
+        payload=json.loads(row["event_payload"]),
         created_at=row["event_created_at"],
     )
     data = render(EventSerializer, event)
     data["task"] = None
+    payload_elided = _elide(data["payload"], list(data["payload"]), list(row["payload_elided"]))
+    task_elided: list[str] = []
     if row["task_is_current"]:
-        # The relay's own connection decodes jsonb itself: the values go to the model as read.
+        # jsonb comes as its text (stream_after): the values go to the model decoded.
         columns, attnames = _task_fields()
-        task = Task.from_db(None, attnames, [row[column] for column in columns])
+        values = [
+            _decoded(row[column]) if column in _JSONB_COLUMNS else row[column] for column in columns
+        ]
+        task = Task.from_db(None, attnames, values)
         data["task"] = render(TaskSerializer, task)
-    text = json.dumps(data, separators=(",", ":"))
+        task_elided = _elide(data["task"], TASK_LARGE_FIELDS, list(row["task_elided"]))
+    while True:
+        if payload_elided:
+            data["elided"] = [key for key in data["payload"] if key in payload_elided]
+        if task_elided:
+            data["task"]["elided"] = [name for name in TASK_LARGE_FIELDS if name in task_elided]
+        text = _dumps(data)
+        if len(text) <= MAX_EVENT_BYTES:
+            break
+        # Each value left is at most ELIDE_BYTES, but together (with a title written with
+        # escapes, say) they may still be too many: the largest goes, until the event fits.
+        candidates = [(data["payload"], key, payload_elided) for key in data["payload"]]
+        if data["task"] is not None:
+            candidates += [(data["task"], name, task_elided) for name in TASK_LARGE_FIELDS]
+        largest = max(
+            (c for c in candidates if c[0][c[1]] is not None),
+            key=lambda c: len(_dumps(c[0][c[1]])),
+            default=None,
+        )
+        if largest is None:
+            break
+        holder, key, elided = largest
+        holder[key] = None
+        elided.append(key)
     return sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["event_id"])).encode()
+
+
+_JSONB_COLUMNS = frozenset({"payload", "result", "progress"})
+
+
+def _decoded(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _elide(values: dict[str, Any], names: Sequence[str], elided: list[str]) -> list[str]:
+    """Set to None each of ``names`` in ``values`` larger than ELIDE_BYTES as JSON; return
+    them with ``elided`` (those the database left out already), in the order of ``names``."""
+    for name in names:
+        value = values.get(name)
+        if value is not None and len(_dumps(value)) > ELIDE_BYTES:
+            values[name] = None
+            elided.append(name)
+    return [name for name in names if name in elided]
 
 
 @functools.cache
@@ -261,15 +355,19 @@ class Relay:
         conninfo: str,
         *,
         buffer_size: int = 10_000,
+        buffer_bytes: int = 64 * 2**20,
         subscriber_queue: int = 1_000,
         batch: int = 1_000,
         healthy_after: float = 5.0,
         leader_key: int | None = None,
     ) -> None:
         self.conninfo = conninfo
-        # The most recent events, complete for every cursor after buffer_floor.
+        # The most recent events, complete for every cursor after buffer_floor: at most
+        # buffer_size of them, taking at most buffer_bytes (their sizes' sum, held_bytes).
         self.buffer: deque[StreamEvent] = deque()
         self.buffer_size = buffer_size
+        self.buffer_bytes = buffer_bytes
+        self.held_bytes = 0
         self.buffer_floor: Cursor | None = None
         self.head: Cursor | None = None
         self.connected = asyncio.Event()
@@ -676,9 +774,11 @@ class Relay:
         return min(0.02, len(self.subscribers) / 50_000) if len(self.subscribers) > 50 else 0.0
 
     def _deliver(self, events: list[StreamEvent]) -> None:
+        for event in events:
+            object.__setattr__(event, "buffered_in", self)
+            self.held_bytes += event.size
         self.buffer.extend(events)
-        while len(self.buffer) > self.buffer_size:
-            self.buffer_floor = self.buffer.popleft().cursor
+        self._trim()
         self.head = events[-1].cursor
         for subscriber in self.subscribers:
             subscriber.offer(events)
@@ -687,6 +787,21 @@ class Relay:
                 listener(events)
             except Exception:
                 logger.exception("relay: a listener failed")
+
+    def resized(self, change: int) -> None:
+        """A buffered event was encoded, and now takes ``change`` bytes more (or fewer)."""
+        self.held_bytes += change
+        self._trim()
+
+    def _trim(self) -> None:
+        """Forget the oldest events until the buffer is within its bounds."""
+        while self.buffer and (
+            len(self.buffer) > self.buffer_size or self.held_bytes > self.buffer_bytes
+        ):
+            oldest = self.buffer.popleft()
+            object.__setattr__(oldest, "buffered_in", None)
+            self.held_bytes -= oldest.size
+            self.buffer_floor = oldest.cursor
 
     # -- consumers ------------------------------------------------------------------------
 
@@ -755,6 +870,7 @@ class Relay:
                 "upto_id": upto.id,
                 "horizon": horizon,
                 "limit": self.batch,
+                "read_bytes": READ_BYTES,
             },
         )
         return [_stream_event(row) for row in await cur.fetchall()]
@@ -808,7 +924,11 @@ async def get_relay() -> Relay:
         leader_key = LEADER_LOCK if settings.GRIP_URL else None
         relay = _relays.get(loop)
         if relay is None:
-            relay = _relays[loop] = Relay(conninfo, leader_key=leader_key)
+            relay = _relays[loop] = Relay(
+                conninfo,
+                buffer_bytes=settings.TASKBOARD_STREAM_BUFFER_BYTES,
+                leader_key=leader_key,
+            )
             from access import throttle
             from board import revocation  # it reaches the stream, which needs the relay
 

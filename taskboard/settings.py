@@ -269,6 +269,12 @@ if GRIP_URL and not GRIP_URL.lower().startswith(("http://", "https://")):
 TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int(
     "TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600, minimum=1
 )
+# How much memory each server process keeps of the latest events (board.relay), from which
+# a stream that reconnects is replayed; older gaps are read from task_events. At least
+# one event's worth (a streamed event is at most 64 KiB).
+TASKBOARD_STREAM_BUFFER_BYTES = env_int(
+    "TASKBOARD_STREAM_BUFFER_BYTES", 64 * 2**20, minimum=2**20, maximum=2**40
+)
 if DATABASE_LISTEN_URL:
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})

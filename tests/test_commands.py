@@ -253,6 +253,7 @@ def test_log_level_is_taken_in_any_case() -> None:
         ("TASKBOARD_WORKER_TIMEOUT", "0", "TASKBOARD_WORKER_TIMEOUT must be from 1 to 86400"),
         ("TASKBOARD_TOKEN_CACHE_SECONDS", "-1", "TASKBOARD_TOKEN_CACHE_SECONDS must be 0 or"),
         ("DATABASE_CONNECT_TIMEOUT", "0", "DATABASE_CONNECT_TIMEOUT must be 1 or more"),
+        ("TASKBOARD_STREAM_BUFFER_BYTES", "1000", "TASKBOARD_STREAM_BUFFER_BYTES must be from"),
         ("LOG_LEVEL", "bogus", "LOG_LEVEL must be critical, error, warning, info or debug"),
         ("DATABASE_URL", "bogus", "DATABASE_URL is not a URL it can use"),
         ("EMAIL_URL", "smtp://host:port:x", "EMAIL_URL is not a URL it can use"),

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_short_soak_prints_the_servers_resources_and_sees_no_server_error(
+def test_a_short_soak_with_an_abusive_agent_prints_the_servers_resources_and_no_server_error(
     tmp_path: Path,
 ) -> None:
     prefix = f"soak_test_{os.getpid()}"
@@ -49,6 +49,13 @@ def test_a_short_soak_prints_the_servers_resources_and_sees_no_server_error(
     assert data["server_errors"] == {}
     assert data["actions"]["create"] > 0 and data["actions"]["complete"] > 0
     assert data["actions"]["stream"] > 0 and data["actions"]["read"] > 0
+    # The abusive agent ran beside them: a 900 kB task flooded with heartbeats, comments,
+    # queues; the largest server process's memory is reported with the sum.
+    assert data["abuse"] is True
+    for abuse in ("huge task", "heartbeat", "comment", "queue"):
+        assert data["actions"][f"abuse: {abuse}"] > 0, data["actions"]
+    assert "largest process RSS" in text
+    assert all(sample["largest_rss_mb"] > 0 for sample in data["samples"])
     assert all(sample["rss_mb"] > 0 and sample["fds"] > 0 for sample in data["samples"])
     # The server processes' sockets are counted: the load's connections add to the idle
     # server's (counting ``serve`` alone, which only listens, it stayed flat).

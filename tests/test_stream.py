@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psutil
 import psycopg
 import pytest
 from django.db import connection, transaction
@@ -20,6 +21,7 @@ from board import relay as relay_module
 from board import stream as stream_module
 from board import transitions
 from board.models import TaskEvent
+from tests import processes
 from tests.factories import TokenFactory, UserFactory
 from tests.live import (
     LiveServer,
@@ -28,6 +30,7 @@ from tests.live import (
     live_server_behind_pushpin,
     relay_cut_off,
 )
+from tests.processes import ServeProcess, eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -1499,3 +1502,236 @@ def test_a_publish_that_fails_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> 
     assert set(items(first)) == {("events", "6"), ("user-7", None)}
     assert set(items(third)) == set(items(first))
     assert third.at - second.at > 0.3  # backing off
+
+
+def stream_workers_of(pid: int) -> list[psutil.Process] | None:
+    """The two server processes of ``serve --workers 2``, once both are up."""
+    workers = [
+        child
+        for child in psutil.Process(pid).children(recursive=True)
+        if "spawn_main" in " ".join(child.cmdline())
+    ]
+    return workers if len(workers) == 2 else None
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_a_huge_task_with_a_heartbeat_flood_leaves_every_server_process_s_memory_flat(
+    tmp_path: Any, watcher: dict[str, str]
+) -> None:
+    """One agent creates a task with a 0.93 MB description, claims it and sends 150
+    heartbeats while one stream is open: every server process reads every event, and none
+    may keep the description with each of them (nor send it to the stream)."""
+    hoarder = UserFactory(username="hoarder")
+    token = TokenFactory(user=hoarder)
+    headers = {"Authorization": f"Bearer {token.key}"}
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--workers",
+        "2",
+        env={"DATABASE_URL": processes.tests_database_url()},
+    ).wait_healthy()
+    try:
+        workers = eventually(lambda: stream_workers_of(server.pid), what="two workers")
+        api = httpx.Client(base_url=f"{server.url}/api/v1/", headers=headers, timeout=30)
+        with api, StreamCollector(stream_url(server), watcher) as stream:
+            # Warm both processes up (a new connection per request reaches either).
+            for n in range(20):
+                httpx.post(
+                    f"{api.base_url}tasks/",
+                    json={"title": f"warm {n}", "queue": "warm"},
+                    headers=headers,
+                )
+            stream.take(20, timeout=30)
+            before = [worker.memory_info().rss for worker in workers]
+
+            task = api.post("tasks/", json={"title": "huge", "description": "x" * 930_000})
+            assert task.status_code == 201, task.text
+            task_id = task.json()["id"]
+            claimed = api.post("tasks/claim/", json={"queues": ["default"]})
+            [lease] = [t["lease_token"] for t in claimed.json()["tasks"] if t["id"] == task_id]
+            # The heartbeats are sent from here, straight to the database: what is measured
+            # is what the server processes make of the events. (Through the API, each
+            # heartbeat's answer is the whole task, and the memory of 150 such answers
+            # comes and goes with the allocator, whatever the stream does.)
+            for n in range(150):
+                transitions.heartbeat(
+                    task_id=task_id, actor=hoarder, lease_token=lease, progress={"step": n}
+                )
+            # The creation, the claim and the 150 heartbeats.
+            received = stream.take(1 + 1 + 150, timeout=60)
+            after = [worker.memory_info().rss for worker in workers]
+    finally:
+        server.stop()
+
+    largest = max(len(event["data"].encode()) for event in received)
+    grown = [(a - b) / 2**20 for a, b in zip(after, before, strict=True)]
+    print(f"RSS before {before}, after {after}, grown MiB {grown}, largest event {largest} B")
+    assert largest <= 64 * 1024
+    assert all(growth < 64 for growth in grown), grown
+    huge = [event["json"]["task"] for event in received if event["json"]["task_id"] == task_id]
+    assert all(
+        t is None or (t["description"], t["elided"]) == (None, ["description"]) for t in huge
+    )
+
+
+def test_a_streamed_event_carries_each_large_value_only_up_to_8_kib(
+    server: LiveServer, watcher: dict[str, str], agent: Any
+) -> None:
+    """A task's description, payload, result and progress, and an event's payload values,
+    larger than 8 KiB as JSON in the event are null and named in ``elided``; smaller ones
+    are sent as they are. Characters that JSON escapes count as they are sent."""
+    kept = {"notes": "k" * 7000}
+    big = {"rows": list(range(3000))}  # 14 kB
+    with StreamCollector(stream_url(server), watcher) as stream:
+        # Each change once the stream has the last: then each event carries its task.
+        task = transitions.create(actor=agent, title="large", description="é" * 3000, payload=kept)
+        events = [stream.get()]
+        [claim] = transitions.claim(actor=agent)
+        events.append(stream.get())
+        transitions.heartbeat(
+            task_id=task.id, actor=agent, lease_token=claim.lease_token, progress=big
+        )
+        events.append(stream.get())
+        transitions.complete(
+            task_id=task.id, actor=agent, lease_token=claim.lease_token, result=kept
+        )
+        events.append(stream.get())
+
+    created, claimed, beat, completed = (event["json"] for event in events)
+    # 3,000 "é" are 6 kB in the database, and 18 kB as the stream writes them (\u00e9).
+    assert (created["task"]["description"], created["task"]["elided"]) == (None, ["description"])
+    assert created["task"]["payload"] == kept
+    assert "elided" not in created
+    assert claimed["task"]["elided"] == ["description"]
+    assert (beat["payload"]["progress"], beat["elided"]) == (None, ["progress"])
+    assert beat["payload"]["lease_until"] is not None
+    assert (beat["task"]["progress"], beat["task"]["elided"]) == (None, ["description", "progress"])
+    # The result is small enough to be sent; the last progress stays, too large.
+    assert (completed["payload"], completed["task"]["result"]) == ({"result": kept}, kept)
+    assert completed["task"]["elided"] == ["description", "progress"]
+    assert max(len(event["data"].encode()) for event in events) <= relay_module.MAX_EVENT_BYTES
+    # The API has every value.
+    shown = task_as_the_api_shows_it(task.id, watcher, server)
+    assert (shown["description"], shown["status"]) == ("é" * 3000, "done")
+
+
+def test_a_value_too_large_to_read_is_named_without_being_read(agent: Any) -> None:
+    """Larger than the relay reads (twice 8 KiB), a value stays in the database: the row the
+    relay holds has it null and names it, and the event sent is the same."""
+    task = transitions.create(
+        actor=agent, title="huge", description="d" * 100_000, payload={"p": "p" * 100_000}
+    )
+    [claim] = transitions.claim(actor=agent)
+    transitions.fail(task_id=task.id, actor=agent, lease_token=claim.lease_token, error="e" * 9000)
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    try:
+        background.run(relay.start())
+        background.run(relay.open_pool())
+
+        async def read() -> list[relay_module.StreamEvent]:
+            return [
+                event
+                async for page in relay.replay(relay_module.START, relay.head)
+                for event in page
+                if event.task_id == task.id
+            ]
+
+        events = background.run(read())
+        rows = [event.source for event in events]
+        sent = [json.loads(event.sse.decode().split("data: ", 1)[1]) for event in events]
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+    assert [row["task_elided"] for row in rows if row["task_is_current"]] == [  # type: ignore[index]
+        ["description", "payload"]
+    ]
+    assert all(row["description"] is None for row in rows)  # type: ignore[index]
+    [failed] = [event for event in sent if event["type"] == "failed"]
+    # 9,000 characters of error: read (under 16 KiB), but not sent (over 8 KiB).
+    assert (failed["payload"]["error"], failed["elided"]) == (None, ["error"])
+    assert failed["task"]["elided"] == ["description", "payload", "last_error"]
+    assert failed["task"]["failure_count"] == 1
+
+
+def test_an_event_is_never_larger_than_64_kib_however_many_values_it_has(agent: Any) -> None:
+    """Each value under 8 KiB, but many of them: the largest are elided until it fits."""
+    transitions.create(actor=agent, title="many")
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo())
+    try:
+        background.run(relay.start())
+        background.run(relay.open_pool())
+
+        async def read() -> dict[str, Any]:
+            async for page in relay.replay(relay_module.START, relay.head):
+                return dict(page[-1].source)  # type: ignore[arg-type]
+            raise AssertionError("no event")
+
+        row = background.run(read())
+    finally:
+        background.run(relay.stop())
+        background.close()
+    row["event_payload"] = json.dumps({f"k{n:02}": "v" * (7000 + n) for n in range(12)})
+
+    data = json.loads(relay_module._encode(row).decode().split("data: ", 1)[1])
+
+    assert len(relay_module._dumps(data)) <= relay_module.MAX_EVENT_BYTES
+    assert data["elided"] == ["k09", "k10", "k11"]  # the largest
+    assert [data["payload"][f"k{n:02}"] for n in range(9)] == ["v" * (7000 + n) for n in range(9)]
+
+
+def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the_log(
+    agent: Any,
+) -> None:
+    """The relay's memory is bounded in bytes, as events are read and as they are encoded:
+    the oldest go; a resume within what it keeps is answered from memory, an older one
+    from task_events, in order either way."""
+    background = BackgroundLoop()
+    relay = relay_module.Relay(relay_module.django_conninfo(), buffer_bytes=200_000)
+    try:
+        background.run(relay.start())
+        background.run(relay.open_pool())
+        start = relay.head
+        made = [
+            transitions.create(actor=agent, title=f"t{n}", description="d" * 8000).id
+            for n in range(60)
+        ]
+        eventually(lambda: relay.head is not None and relay.head.id >= max_event_id())
+
+        def held() -> tuple[int, int, int]:
+            return relay.held_bytes, sum(event.size for event in relay.buffer), len(relay.buffer)
+
+        held_bytes, summed, kept = background.run(asyncio.to_thread(held))
+        assert held_bytes == summed <= 200_000
+        assert 10 < kept < 60
+        assert relay.buffer_floor is not None and relay.buffer_floor > start
+
+        async def encode_all() -> None:
+            for event in list(relay.buffer):
+                assert event.sse
+
+        background.run(encode_all())
+        held_bytes, summed, _ = background.run(asyncio.to_thread(held))
+        assert held_bytes == summed <= 200_000
+
+        async def replay(after: relay_module.Cursor) -> tuple[list[int], bool]:
+            in_memory = relay._from_buffer(after, relay.head) is not None
+            assert relay.head is not None
+            ids = [e.task_id async for page in relay.replay(after, relay.head) for e in page]
+            return ids, in_memory
+
+        floor = relay.buffer_floor
+        assert background.run(replay(start)) == (made, False)
+        recent = [event.task_id for event in relay.buffer]
+        assert background.run(replay(floor)) == (recent, True)
+        assert recent == made[-len(recent) :]
+    finally:
+        background.run(relay.stop())
+        background.close()
+
+
+def max_event_id() -> int:
+    return int(TaskEvent.objects.order_by("-id").values_list("id", flat=True)[0])

@@ -55,22 +55,67 @@ FROM snap, running, hidden;
 
 -- name: stream_after
 -- Up to %(limit)s events after the cursor, up to the upper cursor, below the horizon, in
--- stream order, each with its task (t.*) and whether the task is still as the event left
--- it: no later event of the task has committed. Every transition that changes a task
+-- stream order, each with its task and whether the task is still as the event left it:
+-- no later event of the task has committed. Every transition that changes a task
 -- writes an event, and a task's events take their ids while its row is locked, so when
 -- no event of the task has a greater id, the row read here (in the same snapshot) is the
 -- task as it is after this event; otherwise a later event, which the stream also sends,
 -- carries it. The check is one probe of task_events_task_id_idx per event.
+--
+-- Large values are left in the database: the task's description, payload, result,
+-- progress and last_error, and each value of the event's payload, are read only when
+-- they take at most %(read_bytes)s bytes as PostgreSQL writes them (octet_length of a
+-- text does not detoast it); a larger one is NULL here and named in task_elided (its
+-- column) or payload_elided (its key). Every server process reads every event and keeps
+-- the latest in memory (board.relay): a 1 MB description must not come with each
+-- heartbeat of its task. The relay checks what it sends against the stream's own limit;
+-- jsonb is read as its text, decoded only for an event that is sent. The task's columns
+-- are the Task model's (board.relay._task_fields), each named here.
 SELECT e.id AS event_id, e.type AS event_type, e.status AS event_status, e.actor,
-       e.payload AS event_payload, e.created_at AS event_created_at,
+       event.payload AS event_payload, event.elided AS payload_elided,
+       e.created_at AS event_created_at,
        e.txid::text AS txid,
        NOT EXISTS (
            SELECT 1 FROM task_events later
            WHERE later.task_id = e.task_id AND later.id > e.id
        ) AS task_is_current,
-       t.*
+       t.id, t.title,
+       CASE WHEN NOT large.description THEN t.description END AS description,
+       CASE WHEN NOT large.payload THEN t.payload::text END AS payload,
+       t.queue, t.priority, t.max_failures, t.run_after, t.status, t.failure_count,
+       t.leased_by, t.leased_until, t.lease_token, t.lease_seconds,
+       CASE WHEN NOT large.result THEN t.result::text END AS result,
+       CASE WHEN NOT large.last_error THEN t.last_error END AS last_error,
+       t.created_by, t.created_at, t.updated_at, t.depends_on, t.open_dependencies,
+       t.has_dependents, t.parent_id,
+       CASE WHEN NOT large.progress THEN t.progress::text END AS progress,
+       t.max_attempt_seconds, t.attempt_started_at, t.idempotency_key,
+       t.idempotency_fingerprint,
+       array_remove(ARRAY[
+           CASE WHEN large.description THEN 'description' END,
+           CASE WHEN large.payload THEN 'payload' END,
+           CASE WHEN large.result THEN 'result' END,
+           CASE WHEN large.progress THEN 'progress' END,
+           CASE WHEN large.last_error THEN 'last_error' END
+       ], NULL) AS task_elided
 FROM task_events e
 JOIN tasks t ON t.id = e.task_id
+CROSS JOIN LATERAL (
+    SELECT octet_length(t.description) > %(read_bytes)s AS description,
+           COALESCE(octet_length(t.payload::text) > %(read_bytes)s, false) AS payload,
+           COALESCE(octet_length(t.result::text) > %(read_bytes)s, false) AS result,
+           COALESCE(octet_length(t.progress::text) > %(read_bytes)s, false) AS progress,
+           COALESCE(octet_length(t.last_error) > %(read_bytes)s, false) AS last_error
+) large
+CROSS JOIN LATERAL (
+    SELECT COALESCE(jsonb_object_agg(p.key, CASE WHEN NOT p.large THEN p.value END),
+                    '{}')::text AS payload,
+           COALESCE(array_agg(p.key ORDER BY p.key) FILTER (WHERE p.large), '{}') AS elided
+    FROM (
+        SELECT key, value, octet_length(value::text) > %(read_bytes)s AS large
+        FROM jsonb_each(e.payload)
+    ) p
+) event
 WHERE (e.txid, e.id) > (%(txid)s::xid8, %(id)s)
   AND (e.txid, e.id) <= (%(upto_txid)s::xid8, %(upto_id)s)
   AND e.txid < %(horizon)s::xid8

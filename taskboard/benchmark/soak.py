@@ -11,11 +11,16 @@ this process, over HTTP only:
 - stream clients connect to ``/api/v1/stream/``, read for a few seconds and hang up,
   half of them resuming with ``Last-Event-ID``;
 - readers list tasks, read tasks and their events, page through ``/api/v1/events/`` and
-  check ``/healthz``.
+  check ``/healthz``;
+- beside them, one abusive agent (unless ``abuse`` is off) does what any token may: it
+  creates tasks with 900 kB descriptions and floods each with heartbeats while holding it,
+  floods a task with 10 kB comments, and spreads tasks over 2,000 queues. Every server
+  process reads every event it makes; its memory must stay flat all the same.
 
 Every interval it prints one line: requests per second, answers by class, and the server's
-RSS, open file descriptors and database connections; at the end, each of those at the
-start, at its maximum and at the end. A 5xx other than 503 is a failure.
+RSS (all its processes, and the largest one), open file descriptors and database
+connections; at the end, each of those at the start, at its maximum and at the end. A 5xx
+other than 503 is a failure.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ import httpx
 from taskboard.benchmark.harness import Progress, Scratch, Server, ServerParams, create_agents
 
 LEASE_SECONDS = 5
+# The normal load's queues; the abusive agent keeps to its own, so that the normal agents
+# do not spend their time on its tasks.
+QUEUES = ["default", "images", "mail"]
+HUGE_DESCRIPTION_BYTES = 900_000
+FLOOD_HEARTBEATS = 100  # per huge task, then it is completed and another made
+COMMENT_BYTES = 10_000
+ABUSE_QUEUES = 2_000
 
 
 @dataclass
@@ -45,6 +57,9 @@ class Sample:
     rss_mb: float
     fds: int
     connections: int
+    # The largest server process's RSS: every process reads every event, so each must
+    # stay flat, not only their sum.
+    largest_rss_mb: float = 0.0
 
 
 @dataclass
@@ -90,6 +105,7 @@ class Load:
         streams: int,
         readers: int,
         rate: float,
+        abuser: str | None = None,
         seed: int = 8,
     ) -> None:
         self.url = url
@@ -110,6 +126,12 @@ class Load:
                 for i in range(readers)
             ),
         ]
+        if abuser is not None:
+            self.threads += [
+                self._thread(self._hoarder, abuser),
+                self._thread(self._comment_flood, abuser),
+                self._thread(self._queue_spreader, abuser),
+            ]
 
     def _token(self, index: int) -> str:
         return self.tokens[index % len(self.tokens)]
@@ -159,7 +181,7 @@ class Load:
                     client,
                     "POST",
                     "/api/v1/tasks/claim/",
-                    json={"lease_seconds": LEASE_SECONDS, "wait": 1},
+                    json={"lease_seconds": LEASE_SECONDS, "wait": 1, "queues": QUEUES},
                 )
                 for task in claimed["tasks"] if claimed else []:
                     self._work(client, rng, task)
@@ -200,7 +222,7 @@ class Load:
                         "title": f"soak {created}",
                         "payload": {"n": created},
                         "priority": rng.randint(-5, 5),
-                        "queue": rng.choice(["default", "images", "mail"]),
+                        "queue": rng.choice(QUEUES),
                     },
                 )
                 if task is not None:
@@ -269,6 +291,70 @@ class Load:
                 self.tally.did("read")
                 self.stopping.wait(0.02)
 
+    # -- the abusive agent ----------------------------------------------------------------
+
+    def _hoarder(self, token: str) -> None:
+        """Create a task with a 900 kB description, claim it and send heartbeats with small
+        bodies as fast as they are answered, then complete it and start again."""
+        made = 0
+        with self._client(token) as client:
+            while not self.stopping.is_set():
+                made += 1
+                queue = "abuse-huge"
+                created = self._call(
+                    client,
+                    "POST",
+                    "/api/v1/tasks/",
+                    json={
+                        "title": f"huge {made}",
+                        "queue": queue,
+                        "description": "x" * HUGE_DESCRIPTION_BYTES,
+                    },
+                )
+                if created is None:
+                    continue
+                self.tally.did("abuse: huge task")
+                claimed = self._call(
+                    client, "POST", "/api/v1/tasks/claim/", json={"queues": [queue], "limit": 1}
+                )
+                for task in claimed["tasks"] if claimed else []:
+                    lease = {"lease_token": task["lease_token"]}
+                    path = f"/api/v1/tasks/{task['id']}"
+                    for beat in range(FLOOD_HEARTBEATS):
+                        if self.stopping.is_set():
+                            break
+                        body = {**lease, "progress": {"beat": beat}}
+                        if self._call(client, "POST", f"{path}/heartbeat/", json=body) is None:
+                            break
+                        self.tally.did("abuse: heartbeat")
+                    self._call(client, "POST", f"{path}/complete/", json=lease)
+
+    def _comment_flood(self, token: str) -> None:
+        """Comment on one task of its own, 10 kB a comment, as fast as answered."""
+        with self._client(token) as client:
+            task = None
+            while task is None and not self.stopping.is_set():
+                task = self._call(
+                    client, "POST", "/api/v1/tasks/", json={"title": "talk", "queue": "abuse-talk"}
+                )
+            body = {"body": "c" * COMMENT_BYTES}
+            while task is not None and not self.stopping.is_set():
+                if self._call(client, "POST", f"/api/v1/tasks/{task['id']}/comments/", json=body):
+                    self.tally.did("abuse: comment")
+
+    def _queue_spreader(self, token: str) -> None:
+        """Create one task in each of 2,000 queues, then keep reading the queues' glance."""
+        with self._client(token) as client:
+            for n in range(ABUSE_QUEUES):
+                if self.stopping.is_set():
+                    return
+                task = {"title": f"queue {n}", "queue": f"abuse-q{n:04}"}
+                if self._call(client, "POST", "/api/v1/tasks/", json=task) is not None:
+                    self.tally.did("abuse: queue")
+            while not self.stopping.is_set():
+                self._call(client, "GET", "/api/v1/queues/")
+                self.stopping.wait(0.5)
+
 
 def sample(server: Server, started: float, answered: int) -> Sample:
     import psutil
@@ -284,7 +370,11 @@ def sample(server: Server, started: float, answered: int) -> Sample:
         connections, _ = server.database.server_connections()
     except Exception:  # the database is away: say so, keep soaking
         connections = -1
-    return Sample(time.monotonic() - started, answered, server.rss_mb(), fds, connections)
+    try:
+        largest = max(server.rss_per_process_mb(), default=0.0)
+    except psutil.Error:
+        largest = 0.0
+    return Sample(time.monotonic() - started, answered, server.rss_mb(), fds, connections, largest)
 
 
 def line(current: Sample, previous: Sample | None, tally: Tally) -> str:
@@ -300,7 +390,8 @@ def line(current: Sample, previous: Sample | None, tally: Tally) -> str:
             by_class[status[0] + "xx"] += count
     classes = " ".join(f"{name} {count:,}" for name, count in sorted(by_class.items()))
     return (
-        f"[{current.at:6.0f} s] {rate:6.0f} req/s | RSS {current.rss_mb:6.1f} MB | "
+        f"[{current.at:6.0f} s] {rate:6.0f} req/s | RSS {current.rss_mb:6.1f} MB "
+        f"(largest process {current.largest_rss_mb:6.1f}) | "
         f"fds {current.fds:4d} | db connections {current.connections:3d} | {classes}"
     ).rstrip(" |")
 
@@ -318,6 +409,7 @@ def summary(samples: list[Sample], tally: Tally, seconds: float) -> list[str]:
         f"Soak: {seconds:.0f} s, {total:,} answers ({total / seconds:,.0f}/s)",
         f"  {'':<22} {'start':>8} {'max':>8} {'end':>8}",
         row("server RSS", [s.rss_mb for s in samples], "MB", digits=1),
+        row("largest process RSS", [s.largest_rss_mb for s in samples], "MB", digits=1),
         row("open file descriptors", [float(s.fds) for s in samples]),
         row("database connections", [float(s.connections) for s in samples]),
         "  answers: "
@@ -342,6 +434,7 @@ def run(
     streams: int = 20,
     readers: int = 4,
     rate: float = 60.0,
+    abuse: bool = True,
     stdout: Any,
 ) -> dict[str, Any]:
     """Soak a fresh server for ``seconds``; print and return the figures."""
@@ -356,14 +449,24 @@ def run(
     try:
         scratch.prepare_template(application_database)
         with scratch.database("run") as database:
-            accounts = create_agents(agents)
+            accounts = create_agents(agents + 1 if abuse else agents)
+            abuser = accounts.pop()[1] if abuse else None
             with Server(database, output.parent / "server.log", progress) as server:
                 stdout.write(
                     f"Soaking {server.url} for {seconds:.0f} s: {agents} agents, {streams} "
-                    f"streams connecting and dropping, {readers} readers, {rate:g} creates/s\n"
+                    f"streams connecting and dropping, {readers} readers, {rate:g} creates/s"
+                    + (", and an abusive agent" if abuse else "")
+                    + "\n"
                 )
                 stdout.flush()
-                load = Load(server.url, accounts, streams=streams, readers=readers, rate=rate)
+                load = Load(
+                    server.url,
+                    accounts,
+                    streams=streams,
+                    readers=readers,
+                    rate=rate,
+                    abuser=abuser,
+                )
                 started = time.monotonic()
                 samples.append(sample(server, started, 0))
                 stdout.write(line(samples[-1], None, load.tally) + "\n")
@@ -394,6 +497,7 @@ def run(
         "streams": streams,
         "readers": readers,
         "creates_per_second": rate,
+        "abuse": abuse,
         "samples": [s.__dict__ for s in samples],
         "answers": dict(load.tally.statuses),
         "actions": dict(load.tally.actions),

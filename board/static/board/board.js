@@ -258,6 +258,32 @@
     return result.ok ? result.data : null;
   }
 
+  /** Read task ``id`` and hand it to ``use``, once at a time per task: asked again while a
+   * read is on its way, it reads once more after it. A stream of heartbeats of a task
+   * whose progress is too large to stream costs one read at a time, not one per event. */
+  const rereads = new Map();
+  function reread(id, use) {
+    const state = rereads.get(id);
+    if (state) {
+      state.again = true;
+      state.use = use;
+      return;
+    }
+    const mine = { again: false, use };
+    rereads.set(id, mine);
+    (async () => {
+      try {
+        do {
+          mine.again = false;
+          const task = await fetchTask(id);
+          if (task) mine.use(task);
+        } while (mine.again);
+      } finally {
+        rereads.delete(id);
+      }
+    })().catch((error) => console.error("taskboard:", error));
+  }
+
   // -- Leases held by this tab -----------------------------------------------------------
 
   /** A person's leases: the token per task in sessionStorage, a heartbeat timer each. */
@@ -462,21 +488,25 @@
 
   // -- Applying events -------------------------------------------------------------------
 
-  /** Take the task as the server sent it after ``event``: the page never works out what
-   * a transition does. An event sent without its task (a later event of the task has
-   * committed, and follows with it) changes nothing. */
-  function applyToTask(task, event) {
-    if (!event.task) return task;
-    // A field too large for the stream is sent as null and named in ``elided``: keep what
-    // the page has, and let the page read the task if it shows that field.
-    const { elided = [], ...fresh } = event.task;
-    for (const name of elided) delete fresh[name];
-    Object.assign(task, fresh);
-    return task;
+  /** The task an event carries, without the values it left out for their size (null,
+   * and named in ``elided``): the page keeps what it has of those, and reads the task
+   * (``reread``) where it shows one. Null when the event carries no task. */
+  function sentTask(event) {
+    if (!event.task) return null;
+    const { elided = [], ...task } = event.task;
+    for (const name of elided) delete task[name];
+    return { task, elided };
   }
 
-  /** The fields of ``event``'s task that the stream left out for their size. */
-  const elidedOf = (event) => event.task?.elided ?? [];
+  /** Take the task as the server sent it after ``event``: the page never works out what
+   * a transition does. An event sent without its task (a later event of the task has
+   * committed, and follows with it) changes nothing. Return the names of the values the
+   * event left out. */
+  function applyToTask(task, event) {
+    const sent = sentTask(event);
+    if (sent) Object.assign(task, sent.task);
+    return sent?.elided ?? [];
+  }
 
   // A card shows the start of the latest progress, as board_extras.progress_text does.
   const PROGRESS_TEXT_LIMIT = 120;
@@ -925,7 +955,8 @@
       let task = tasks.get(id);
       if (!task) {
         // A task the page has not drawn: new, or beyond what the columns show.
-        task = event.task ? { ...event.task } : await fetchTask(id);
+        const sent = sentTask(event);
+        task = sent && !sent.elided.includes("last_error") ? sent.task : await fetchTask(id);
         if (!task) return;
         if (STATE.queue && task.queue !== STATE.queue) {
           foreign.add(id);
@@ -933,15 +964,23 @@
         }
         // A new task has no comments; of another, the page does not know how many.
         if (event.type === "created") task.comments = 0;
-        cardData(task, task.progress, task.elided ?? []);
-        delete task.elided;
+        cardData(task, task.progress, task === sent?.task ? sent.elided : []);
       }
       // Where the page does not know the status before (a task beyond the columns), the
       // counts wait for the queues panel's next reading, which replaces them.
       const before = statusOf.has(id) ? statusOf.get(id) : event.type === "created" ? null : undefined;
-      applyToTask(task, event);
-      if (event.task) cardData(task, event.task.progress, elidedOf(event));
+      const elided = applyToTask(task, event);
+      if (event.task) cardData(task, event.task.progress, elided);
       if (event.type === "commented" && typeof task.comments === "number") task.comments += 1;
+      if (elided.includes("last_error")) {
+        // A card shows the start of the error: read the task for it.
+        reread(id, (fresh) => {
+          const drawn = tasks.get(id);
+          if (!drawn) return;
+          drawn.last_error = fresh.last_error;
+          place(drawn);
+        });
+      }
       Known.set({ id, title: task.title, status: task.status, blocked: task.blocked });
       if (task.blocked) await Known.learn(task.depends_on ?? []);
       index(task);
@@ -1071,15 +1110,19 @@
   const TEXT_LIMIT = STATE.event_text_limit ?? 1000;
   const clip = (text) => truncate(text, TEXT_LIMIT);
 
+  // What the timeline shows for a value the stream left out for its size: the task's
+  // events (the API, or the page drawn again) have it.
+  const TOO_LARGE = "(too large to show live: reload the page to see it)";
+
   /** An event's payload as key: value lines (strings as they are, the rest as JSON), long
    * texts cut short; a value the stream left out for its size (``elided``) says so. */
-  function eventData(payload, elided) {
+  function eventData(payload, elided = []) {
     const keys = [...new Set([...Object.keys(payload), ...elided])].sort();
     if (!keys.length) return null;
     return h("dl", { class: "event-data" }, keys.map((key) => {
       const value = payload[key];
       if (elided.includes(key)) {
-        return [h("dt", {}, key), h("dd", { class: "muted" }, "(too large to show here)")];
+        return [h("dt", {}, key), h("dd", { class: "muted" }, TOO_LARGE)];
       }
       if (typeof value === "string" && TIMESTAMP.test(value)) {
         return [h("dt", {}, key), h("dd", {}, h("time", { datetime: value }, absolute(value)))];
@@ -1124,7 +1167,8 @@
         h("span", { class: `badge badge-${event.status}` }, label(event.status)),
         when),
       event.type === "commented"
-        ? h("p", { class: "comment-body" }, clip(String(payload.body ?? "")))
+        ? h("p", { class: event.elided?.includes("body") ? "comment-body muted" : "comment-body" },
+          event.elided?.includes("body") ? TOO_LARGE : clip(String(payload.body ?? "")))
         : eventData(payload, event.elided ?? []),
       clipped(event)
         ? h("p", { class: "event-more" },
@@ -1217,7 +1261,15 @@
       }
       const item = related.get(event.task_id);
       if (!item || item.hidden || !fresh) return;
-      Object.assign(item, { status: fresh.status, blocked: fresh.blocked, progress: fresh.progress });
+      Object.assign(item, { status: fresh.status, blocked: fresh.blocked });
+      if (fresh.elided?.includes("progress")) {
+        reread(item.id, (read) => {
+          item.progress = read.progress;
+          fillRelations();
+        });
+      } else {
+        item.progress = fresh.progress;
+      }
       fillRelations();
     }
 
@@ -1264,6 +1316,10 @@
       refreshTimes();
     }
 
+    // The values of the task that this page shows as they change (its description and
+    // payload are drawn by the server).
+    const SHOWN = ["progress", "result", "last_error"];
+
     async function apply(event) {
       if (event.task_id !== task.id) {
         await applyToRelated(event);
@@ -1274,11 +1330,13 @@
       eventCount += 1;
       // An older page of the timeline stays as it is: its "Newer events" lead on.
       if (STATE.timeline_live) addToTimeline(timeline, event);
-      applyToTask(task, event);
-      if (elidedOf(event).length) {
-        // The page shows every field: read what the stream left out.
-        const full = await fetchTask(task.id);
-        if (full) Object.assign(task, full);
+      const elided = applyToTask(task, event).filter((name) => SHOWN.includes(name));
+      if (elided.length) {
+        // The page shows these as they change: read what the stream left out.
+        reread(task.id, (fresh) => {
+          for (const name of SHOWN) task[name] = fresh[name];
+          fill();
+        });
       }
       if (task.status !== "in_progress") Leases.settling.delete(task.id);
       fill();

@@ -15,7 +15,8 @@ from taskboard.benchmark.harness import ServerParams
 
 class Command(BaseCommand):
     help = (
-        "Run a mixed load (agents, creates, streams that connect and drop, reads) against a "
+        "Run a mixed load (agents, creates, streams that connect and drop, reads, and an "
+        "abusive agent) against a "
         "'taskboard serve' started on a scratch database, printing the server's memory, "
         "open files and database connections over time. Fails on a 5xx other than 503."
     )
@@ -37,6 +38,12 @@ class Command(BaseCommand):
         parser.add_argument("--readers", type=int, default=4, help="reader threads (default 4)")
         parser.add_argument(
             "--rate", type=float, default=60.0, help="tasks created per second (default 60)"
+        )
+        parser.add_argument(
+            "--no-abuse",
+            action="store_true",
+            help="leave out the abusive agent (900 kB tasks, heartbeat and comment floods, "
+            "2,000 queues)",
         )
         parser.add_argument(
             "--output",
@@ -79,6 +86,7 @@ class Command(BaseCommand):
                 streams=options["streams"],
                 readers=options["readers"],
                 rate=options["rate"],
+                abuse=not options["no_abuse"],
                 stdout=self.stdout,
             )
         except ValueError as exc:
