@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import psutil
 
 from tests.live import free_port
 
@@ -343,3 +344,15 @@ class StreamFollower:
         """Close the client: the thread ends at its next read or reconnection."""
         self.client.close()
         self._thread.join(1)
+
+
+def server_workers(pid: int, count: int | None = None) -> list[psutil.Process] | None:
+    """The uvicorn worker processes of the ``serve --workers N`` whose pid is ``pid``
+    (multiprocessing's spawn children: not Pushpin, not the resource tracker); with
+    ``count``, None until that many are up."""
+    workers = [
+        child
+        for child in psutil.Process(pid).children(recursive=True)
+        if "spawn_main" in " ".join(child.cmdline())
+    ]
+    return workers if count is None or len(workers) == count else None

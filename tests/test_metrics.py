@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import yaml
 from django.db import connection
@@ -22,7 +21,7 @@ from board import transitions
 from tests import processes
 from tests.factories import TokenFactory
 from tests.live import LiveServer, StreamCollector
-from tests.processes import ServeProcess, eventually
+from tests.processes import ServeProcess, eventually, server_workers
 from tests.test_health import assert_unavailable, database_unreachable
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -333,17 +332,6 @@ def test_the_alert_rules_and_scrape_configuration_are_valid_yaml() -> None:
     assert json.dumps(job)  # plain data all the way down
 
 
-def workers_of(pid: int) -> list[psutil.Process] | None:
-    """The worker processes of ``serve --workers 2`` (multiprocessing's spawn children),
-    once both are up."""
-    workers = [
-        child
-        for child in psutil.Process(pid).children(recursive=True)
-        if "spawn_main" in " ".join(child.cmdline())
-    ]
-    return workers if len(workers) == 2 else None
-
-
 @pytest.mark.slow
 @pytest.mark.once
 def test_under_serve_workers_every_worker_counts_every_workers_claims(
@@ -360,7 +348,7 @@ def test_under_serve_workers_every_worker_counts_every_workers_claims(
         env={"DATABASE_URL": processes.tests_database_url(), "TASKBOARD_METRICS_PUBLIC": "false"},
     ).wait_healthy()
     try:
-        first, second = eventually(lambda: workers_of(server.pid), what="two workers")
+        first, second = eventually(lambda: server_workers(server.pid, 2), what="two workers")
 
         def claims_counted() -> float:
             # A new connection per request: the worker that is not stopped answers it.

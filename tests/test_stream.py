@@ -1117,8 +1117,6 @@ def test_a_relay_whose_session_stops_answering_connects_again_and_delivers_what_
     import os
     import signal
 
-    import psutil
-
     monkeypatch.setattr(relay_module.Relay, "QUERY_TIMEOUT_SECONDS", 1.0)
     monkeypatch.setattr(relay_module.Relay, "CHECK_SECONDS", 1.0)
     background = BackgroundLoop()
@@ -1504,16 +1502,6 @@ def test_a_publish_that_fails_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> 
     assert third.at - second.at > 0.3  # backing off
 
 
-def stream_workers_of(pid: int) -> list[psutil.Process] | None:
-    """The two server processes of ``serve --workers 2``, once both are up."""
-    workers = [
-        child
-        for child in psutil.Process(pid).children(recursive=True)
-        if "spawn_main" in " ".join(child.cmdline())
-    ]
-    return workers if len(workers) == 2 else None
-
-
 @pytest.mark.slow
 @pytest.mark.once
 def test_a_huge_task_with_a_heartbeat_flood_leaves_every_server_process_s_memory_flat(
@@ -1532,7 +1520,7 @@ def test_a_huge_task_with_a_heartbeat_flood_leaves_every_server_process_s_memory
         env={"DATABASE_URL": processes.tests_database_url()},
     ).wait_healthy()
     try:
-        workers = eventually(lambda: stream_workers_of(server.pid), what="two workers")
+        workers = eventually(lambda: processes.server_workers(server.pid, 2), what="two workers")
         api = httpx.Client(base_url=f"{server.url}/api/v1/", headers=headers, timeout=30)
         with api, StreamCollector(stream_url(server), watcher) as stream:
             # Warm both processes up (a new connection per request reaches either).

@@ -29,7 +29,7 @@ from board import transitions
 from board.models import Task
 from tests import processes
 from tests.factories import UserFactory
-from tests.processes import ServeProcess, eventually, free_port
+from tests.processes import ServeProcess, eventually, free_port, server_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 
@@ -50,24 +50,17 @@ def two_workers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serv
     server = ServeProcess(tmp_path / "serve.log", *options, env=env, port=free_port())
     try:
         server.wait_healthy(timeout=120)
-        eventually(lambda: len(workers_of(server)) == 2, timeout=30, what="two workers")
+        eventually(lambda: server_workers(server.pid, 2), timeout=30, what="two workers")
         yield server
     finally:
         server.stop()
-
-
-def workers_of(server: ServeProcess) -> list[psutil.Process]:
-    """The uvicorn worker processes of ``serve --workers N`` (not Pushpin, not the
-    resource tracker of multiprocessing)."""
-    children = psutil.Process(server.pid).children()
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
 
 
 def holder(server: ServeProcess, session_id: str) -> psutil.Process:
     """The worker process that holds ``session_id``: the one listening on the socket its
     tag names."""
     tag = session_id.partition("-")[0]
-    for worker in workers_of(server):
+    for worker in server_workers(server.pid) or []:
         with contextlib.suppress(psutil.Error):
             if any(c.laddr.endswith(f"/{tag}.sock") for c in worker.net_connections("unix")):
                 return worker

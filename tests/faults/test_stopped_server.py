@@ -20,7 +20,7 @@ import pytest
 
 from board.models import TaskEvent
 from tests.live import StreamCollector
-from tests.processes import ServeProcess, eventually
+from tests.processes import ServeProcess, eventually, server_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 
@@ -105,18 +105,13 @@ def test_a_resume_on_a_server_that_was_stopped_repeats_nothing(
     )
 
 
-def workers_of(server: ServeProcess) -> list[psutil.Process] | None:
-    """The two uvicorn worker processes of ``serve --workers 2``, once both are up."""
-    children = psutil.Process(server.pid).children()
-    workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
-    return workers if len(workers) == 2 else None
-
-
 def test_a_worker_stopped_for_longer_than_uvicorns_check_carries_on_when_continued(
     start_serve: Callable[..., ServeProcess],
 ) -> None:
     server = start_serve("--workers", "2")
-    first, second = eventually(lambda: workers_of(server), timeout=30, what="two workers")
+    first, second = eventually(
+        lambda: server_workers(server.pid, 2), timeout=30, what="two workers"
+    )
 
     first.suspend()
     try:
@@ -138,7 +133,7 @@ def test_a_worker_stopped_for_longer_than_uvicorns_check_carries_on_when_continu
         assert server.health(timeout=10) == 200
     finally:
         second.resume()
-    assert workers_of(server) == [first, second]
+    assert server_workers(server.pid, 2) == [first, second]
     assert "died" not in server.output
 
 
@@ -148,7 +143,9 @@ def test_a_worker_killed_while_its_check_waits_is_replaced_at_once(
     """Stopped, the worker leaves the supervisor's check waiting for its answer; killed
     then, it is replaced at once, not when TASKBOARD_WORKER_TIMEOUT (30 s) has passed."""
     server = start_serve("--workers", "2")
-    first, second = eventually(lambda: workers_of(server), timeout=30, what="two workers")
+    first, second = eventually(
+        lambda: server_workers(server.pid, 2), timeout=30, what="two workers"
+    )
 
     first.suspend()
     time.sleep(1)  # the supervisor checks every half second: a check now waits on it
@@ -159,6 +156,8 @@ def test_a_worker_killed_while_its_check_waits_is_replaced_at_once(
         timeout=5,
         what="the killed worker's replacement",
     )
-    replaced = eventually(lambda: workers_of(server), timeout=30, what="two workers again")
+    replaced = eventually(
+        lambda: server_workers(server.pid, 2), timeout=30, what="two workers again"
+    )
     assert second in replaced and first not in replaced
     assert server.health(timeout=5) == 200
