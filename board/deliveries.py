@@ -1,9 +1,9 @@
 """Telling humans: each server process sends the board's webhooks and escalation emails.
 
 Deliveries are rows (``webhook_deliveries``), made with their event in the same
-transaction (migration 0012). Every server process runs one :class:`Dispatcher` on its
-event loop, started and stopped with the ASGI lifespan beside the relay; no other process
-is needed. The dispatcher:
+transaction (the trigger of ``board/sql/schema/deliveries.sql``). Every server process runs
+one :class:`Dispatcher` on its event loop, started and stopped with the ASGI lifespan
+beside the relay; no other process is needed. The dispatcher:
 
 - wakes when the relay hears that deliveries were made or re-armed (NOTIFY
   webhook_deliveries, at commit), and at the time the next one falls due (a timer set to

@@ -374,10 +374,11 @@ class QueuePause(models.Model):
 class QueueCounter(models.Model):
     """One shard of a queue's task counts by status (blocked apart from pending).
 
-    Written only by the statement triggers of migration 0008, from every statement that
-    inserts or updates tasks; read by board.queues, which sums the shards. A transaction
-    adds its changes to a shard row that no other transaction holds (SKIP LOCKED), or to a
-    new one, so concurrent transitions on one queue never wait for each other here.
+    Written only by the statement triggers of board/sql/schema/counters.sql, from every
+    statement that inserts or updates tasks; read by board.queues, which sums the shards. A
+    transaction adds its changes to a shard row that no other transaction holds (SKIP
+    LOCKED), or to a new one, so concurrent transitions on one queue never wait for each
+    other here.
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -402,7 +403,7 @@ class QueueCounter(models.Model):
 
 class AgentActivity(models.Model):
     """One shard of an agent's activity in one hour: when it was last seen, and what its
-    leases came to. Written only by the statement trigger on task_events (migration 0008),
+    leases came to. Written only by the statement trigger on task_events (schema/counters.sql),
     sharded like QueueCounter so that one agent's parallel workers never wait for each
     other; read by board.queues.agent_list."""
 
@@ -449,7 +450,7 @@ class Webhook(models.Model):
     (kind email, one row, active while EMAIL_URL is set). Written by board.transitions.
 
     Every statement that inserts task_events makes a delivery per matching active row, in
-    the same transaction (the trigger of migration 0012): the event's type is in
+    the same transaction (the trigger of board/sql/schema/deliveries.sql): the event's type is in
     ``events`` and its task's queue in ``queues`` (null: every queue).
     """
 
@@ -555,7 +556,7 @@ class EventCounter(models.Model):
     """One shard of how many events of one type were ever written: the counter behind
     ``taskboard_events_total`` on ``/metrics`` (board.metrics).
 
-    Written only by the statement trigger on task_events (migration 0013), sharded like
+    Written only by the statement trigger on task_events (schema/counters.sql), sharded like
     QueueCounter so that concurrent transitions never wait for each other here; read by
     board.metrics, which sums the shards. Kept by the database rather than counted by each
     server process, so that every process of ``serve --workers N`` (one scrape reaches

@@ -1,6 +1,6 @@
 """Queues and agents at a glance: what ``GET queues/``, ``GET agents/`` and the board's
-panels show, read from the counters that the triggers of migration 0008 keep in step with
-every transition (never a scan of tasks or of the event log)."""
+panels show, read from the counters that the triggers of ``board/sql/schema/counters.sql``
+keep in step with every transition (never a scan of tasks or of the event log)."""
 
 from __future__ import annotations
 

@@ -20,13 +20,13 @@ resolve) records ``unblocked`` for it in the same transaction. Comments are even
 without a change of status. Pausing a queue takes its tasks out of claims.
 
 Telling humans: webhooks (and the email channel) and their deliveries are written here
-too. A delivery is made with its event, in the same statement, by the trigger of migration
-0012; the server processes claim, send and record them through the functions at the end
-(board.deliveries).
+too. A delivery is made with its event, in the same statement, by the trigger of
+``board/sql/schema/deliveries.sql``; the server processes claim, send and record them
+through the functions at the end (board.deliveries).
 
 The statements themselves live in ``board/sql/transitions.sql``. Queue and agent counters
-are kept by statement triggers on the same tables (migration 0008), so every statement
-here keeps them in step without a statement of its own.
+are kept by statement triggers on the same tables (``board/sql/schema/counters.sql``), so
+every statement here keeps them in step without a statement of its own.
 """
 
 from __future__ import annotations
@@ -532,7 +532,7 @@ def resume_queue(*, queue: str, actor: Actor, note: str | None = None) -> QueueS
     return _set_paused(queue, actor, note, False)
 
 
-# --- the event log's partitions (migration 0011) ---------------------------------------------
+# --- the event log's partitions (board/sql/schema/event_log.sql) ----------------------------
 
 # The UTC month (year, month) for which this process made sure of its event partitions, and
 # when it may try again after a failure.
@@ -552,8 +552,9 @@ def _ensure_this_months_event_partitions() -> None:
 
     The next month's too, so that at the turn of the month the partition is there already,
     whichever clock (this process's or the database's) turns first. Should this fail (its
-    locks wait at most 200 ms: see migration 0011), the transition goes on, its events land
-    in the DEFAULT partition if the month has none, and a transition tries again 10 s later.
+    locks wait at most 200 ms: see board/sql/schema/event_log.sql), the transition goes on,
+    its events land in the DEFAULT partition if the month has none, and a transition tries
+    again 10 s later.
     """
     global _event_partitions_month, _event_partitions_retry_at
     now = datetime.now(UTC)

@@ -39,7 +39,7 @@ def _flush_past_the_append_only_trigger() -> Iterator[None]:
     which the append-only trigger refuses, as it should in production. Tests only: wrap the
     flush so the owner disables the table's triggers for that one TRUNCATE: the parent's
     (which reaches the row triggers PostgreSQL cloned onto the partitions) and each
-    partition's own TRUNCATE trigger (migration 0011).
+    partition's own TRUNCATE trigger (board/sql/schema/event_log.sql).
     """
     original = connection.ops.sql_flush
 

@@ -2,7 +2,7 @@
 -- partitions themselves are made and dropped by board.transitions (transitions.sql).
 
 -- name: event_partitions
--- The monthly partitions of task_events (named task_events_YYYY_MM by migration 0011),
+-- The monthly partitions of task_events (named task_events_YYYY_MM by schema/event_log.sql),
 -- oldest first; the DEFAULT partition is not one of them.
 SELECT c.relname AS name
 FROM pg_inherits i

@@ -3,7 +3,7 @@
 -- (queues.sql), the one GET queues/ answers from.
 
 -- name: event_counts
--- Events ever written, by type: the shards of event_counters (migration 0011) summed.
+-- Events ever written, by type: the shards of event_counters (schema/counters.sql) summed.
 SELECT type, sum(count)::bigint AS count
 FROM event_counters
 GROUP BY type

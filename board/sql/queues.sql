@@ -1,5 +1,6 @@
 -- Queues and agents at a glance (GET queues/, GET agents/, the board's panels): reads of
--- the counters that migration 0008's triggers keep, never a scan of tasks or task_events.
+-- the counters that the triggers of schema/counters.sql keep, never a scan of tasks or
+-- task_events.
 
 -- name: queue_list
 -- Every queue that has tasks or was ever paused, with its counts summed over the shards.

@@ -515,7 +515,7 @@ SELECT status,
            AS deadline_passed
 FROM tasks WHERE id = %(task_id)s;
 
--- The event log's monthly partitions (migration 0011 defines the functions these call).
+-- The event log's monthly partitions (schema/event_log.sql defines the functions these call).
 
 -- name: ensure_event_partition
 -- Create the partition of task_events for the UTC month that holds %(at)s, unless it
@@ -550,7 +550,7 @@ ORDER BY d.webhook_id;
 
 -- name: lock_event_log
 -- Take, first, the locks that dropping a month's partition takes (tasks, then task_events,
--- ACCESS EXCLUSIVE, in that order: migration 0011), waiting at most 200 ms for each, so
+-- ACCESS EXCLUSIVE, in that order: schema/event_log.sql), waiting at most 200 ms for each, so
 -- that this transaction's check of the month's pending deliveries still holds when the
 -- partition is dropped: no event is written meanwhile (and so no delivery made), and a
 -- staff retry of a failed delivery waits (retry_deliveries reads task_events). Held until
@@ -569,7 +569,7 @@ $$;
 SELECT task_events_drop_partition(%(month)s::timestamptz, %(count)s, %(id_sum)s) AS dropped;
 
 -- Telling humans: webhooks and their deliveries (board.deliveries sends them). The
--- deliveries themselves are made by the trigger of migration 0012, in the statement that
+-- deliveries themselves are made by the trigger of schema/deliveries.sql, in the statement that
 -- writes their event.
 
 -- name: create_webhook
