@@ -47,7 +47,8 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import NoReverseMatch, reverse
 
-from board.middleware import database_unavailable, error_response, is_database_outage
+from board.errors import error_response
+from board.middleware import database_unavailable, is_database_outage
 from board.sql import load
 
 logger = logging.getLogger(__name__)

@@ -78,7 +78,8 @@ from access.tokens import digest as tokens_digest
 from board import conf, mcp_workers
 from board.api.authentication import cached_user
 from board.asgi_tools import read_body, send_response
-from board.middleware import disallowed_host, error_response
+from board.errors import error_response
+from board.middleware import disallowed_host
 from board.stream import authorize
 from taskboard.client import ClaimedTask, Client
 from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server

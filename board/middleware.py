@@ -18,13 +18,9 @@ from django.utils.http import escape_leading_slashes
 
 from board import conf
 from board.asgi_tools import read_body, replaying, send_response
+from board.errors import JSON_PATHS, bad_request, error_response
 
 logger = logging.getLogger(__name__)
-
-
-def error_response(status: int, code: str, detail: str, **extra: object) -> JsonResponse:
-    """Return the contract's error body: ``{"error": code, "detail": sentence, ...}``."""
-    return JsonResponse({"error": code, "detail": detail, **extra}, status=status)
 
 
 def too_large() -> JsonResponse:
@@ -57,8 +53,6 @@ def disallowed_host(scope: dict[str, Any]) -> HttpResponse | None:
     made from the scope (X-Forwarded-Host, DEBUG's defaults and all), and Django's answer
     (handler400), logged to the same logger.
     """
-    from board.api.errors import bad_request
-
     request = ASGIRequest(scope, io.BytesIO())
     try:
         request.get_host()
@@ -101,8 +95,6 @@ class NulCharacterMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        from board.api.errors import JSON_PATHS, bad_request
-
         if not request.path.startswith(JSON_PATHS) and (
             "\x00" in request.path
             or any("\x00" in key + "".join(values) for key, values in request.GET.lists())

@@ -42,7 +42,7 @@ urlpatterns = [
     path("", include("board.urls")),
 ]
 
-handler400 = "board.api.errors.bad_request"
-handler403 = "board.api.errors.permission_denied"
-handler404 = "board.api.errors.not_found"
-handler500 = "board.api.errors.server_error"
+handler400 = "board.errors.bad_request"
+handler403 = "board.errors.permission_denied"
+handler404 = "board.errors.not_found"
+handler500 = "board.errors.server_error"

@@ -7,8 +7,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
@@ -21,7 +20,7 @@ from board.exceptions import (
     RateLimited,
     TaskNotFound,
 )
-from board.middleware import database_unavailable, error_response, is_database_outage
+from board.middleware import database_unavailable, is_database_outage
 
 logger = logging.getLogger(__name__)
 
@@ -126,38 +125,3 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     code = exc.get_codes() if isinstance(exc.get_codes(), str) else exc.default_code
     body = {"error": _CODES.get(str(code), str(code)), "detail": str(exc.detail)}
     return Response(body, status=exc.status_code, headers=headers)
-
-
-# Paths whose clients read JSON: a 404 there is the contract's error body.
-JSON_PATHS = ("/api/", "/healthz")
-
-
-def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    """handler404: the JSON error under /api/ and /healthz, an HTML page everywhere else."""
-    if request.path.startswith(JSON_PATHS):
-        return error_response(404, "not_found", f"Nothing is served at {request.path}.")
-    return render(request, "404.html", {"request_path": request.path}, status=404)
-
-
-def server_error(request: HttpRequest) -> HttpResponse:
-    """handler500: the JSON error under /api/ and /healthz, a plain HTML page elsewhere."""
-    if request.path.startswith(JSON_PATHS):
-        return error_response(500, "server_error", "The server failed to handle this request.")
-    # No template rendering here: whatever failed may fail again while rendering.
-    return HttpResponse(
-        "<!doctype html><title>Server error · Taskboard</title>"
-        "<h1>Something went wrong</h1><p>The server failed to handle this request.</p>",
-        status=500,
-    )
-
-
-def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(JSON_PATHS):
-        return error_response(400, "invalid", "The request could not be understood.", fields={})
-    return HttpResponse("<!doctype html><h1>Bad request</h1>", status=400)
-
-
-def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(JSON_PATHS):
-        return error_response(403, "permission_denied", "You may not do this.")
-    return render(request, "403.html", status=403)
