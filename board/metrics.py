@@ -46,9 +46,9 @@ from board import queues as board_queues
 from board.deliveries import delivery_counts
 from board.sql import QUERIES
 
-# Where claims are made (board.transitions.claim), whoever makes them: the API, a waiting
-# claim's attempts, MCP tools, the board's pages. Claims are a few milliseconds when the
-# database is well; the buckets reach into seconds for when it is not.
+# Observed by the claim's view (board.api.views), which every claim comes through: the API,
+# a waiting claim's attempts, MCP tools, the board's pages. Claims are a few milliseconds
+# when the database is well; the buckets reach into seconds for when it is not.
 CLAIM_SECONDS = Histogram(
     "taskboard_claim_duration_seconds",
     "Time to make one claim (every round of its statement), in seconds.",

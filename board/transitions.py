@@ -50,7 +50,7 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from django.db.models import JSONField, Model
 from psycopg.types.json import Jsonb
 
-from board import conf, metrics
+from board import conf
 from board.exceptions import (
     IdempotencyConflict,
     InvalidTransition,
@@ -345,17 +345,16 @@ def claim(
         "lease_seconds": lease_seconds or conf.lease_seconds(),
     }
     claims: list[Claim] = []
-    with metrics.CLAIM_SECONDS.time():
-        # Each round is one statement, hence one transaction of its own: the usual claim is
-        # a single round trip. Only a round that escalated a candidate is followed by another.
-        while len(claims) < limit:
-            wanted = limit - len(claims)
-            rows = _rows(claim_statement(queues, wanted), {**params, "limit": wanted})
-            claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
-            # An escalation may have cost this round a candidate: look again, since every
-            # round that escalates removes a task from the claimable set for good.
-            if not any(row["escalates"] for row in rows):
-                break
+    # Each round is one statement, hence one transaction of its own: the usual claim is
+    # a single round trip. Only a round that escalated a candidate is followed by another.
+    while len(claims) < limit:
+        wanted = limit - len(claims)
+        rows = _rows(claim_statement(queues, wanted), {**params, "limit": wanted})
+        claims += [Claim(_task(row), str(row["lease_token"])) for row in rows if row["claimed"]]
+        # An escalation may have cost this round a candidate: look again, since every
+        # round that escalates removes a task from the claimable set for good.
+        if not any(row["escalates"] for row in rows):
+            break
     return claims
 
 

@@ -155,8 +155,11 @@ def test_it_counts_webhook_deliveries_by_result(
 def test_claims_are_observed_in_the_latency_histogram(staff_api: APIClient, agent: Any) -> None:
     before = scrape(staff_api)
     transitions.create(actor=agent, title="one")
-    transitions.claim(actor=agent)
-    transitions.claim(actor=agent)  # finds nothing: a claim all the same
+    agent_api = APIClient()
+    agent_api.force_authenticate(agent)
+    assert len(agent_api.post("/api/v1/tasks/claim/", {}, format="json").json()["tasks"]) == 1
+    # Finds nothing: a claim all the same.
+    assert agent_api.post("/api/v1/tasks/claim/", {}, format="json").json()["tasks"] == []
     after = scrape(staff_api)
 
     count = "taskboard_claim_duration_seconds_count"
