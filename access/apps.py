@@ -16,7 +16,9 @@ class AccessConfig(AppConfig):
         from django.contrib.auth.signals import user_logged_out, user_login_failed
 
         from access import throttle
+        from board import relay
 
+        relay.on_auth_failure(throttle.failure_announced)
         user_login_failed.connect(throttle.on_login_failed, dispatch_uid="access.throttle")
         user_logged_out.connect(announce_logout, dispatch_uid="access.logout")
 

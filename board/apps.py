@@ -11,7 +11,10 @@ class BoardConfig(AppConfig):
     verbose_name = "Task board"
 
     def ready(self) -> None:
+        from board import relay, revocation
+
         post_migrate.connect(_create_event_partitions_ahead, sender=self)
+        relay.on_credentials_changed(revocation.credentials_changed)
 
 
 def _create_event_partitions_ahead(using: str, **kwargs: Any) -> None:

@@ -914,6 +914,25 @@ class Relay:
 _relays: dict[asyncio.AbstractEventLoop, Relay] = {}
 
 
+# Who hears what every relay of this process hears beside events: registered once at start
+# (their app's ready()), so that the relay imports none of those who listen to it.
+_credential_listeners: set[Callable[[int | None], None]] = set()
+_auth_failure_listeners: set[Callable[[str | None], None]] = set()
+
+
+def on_credentials_changed(listener: Callable[[int | None], None]) -> None:
+    """Have ``listener`` told of each announced change of an account's credentials (its
+    user id; None: anyone's may have changed), by every relay started after this."""
+    _credential_listeners.add(listener)
+
+
+def on_auth_failure(listener: Callable[[str | None], None]) -> None:
+    """Have ``listener`` told of each announced first failed authentication of an address
+    in a throttle window (None: any address may have failed), by every relay started after
+    this."""
+    _auth_failure_listeners.add(listener)
+
+
 async def get_relay() -> Relay:
     """Return this process's relay (one per event loop), starting it on first use."""
     loop = asyncio.get_running_loop()
@@ -929,11 +948,8 @@ async def get_relay() -> Relay:
                 buffer_bytes=settings.TASKBOARD_STREAM_BUFFER_BYTES,
                 leader_key=leader_key,
             )
-            from access import throttle
-            from board import revocation  # it reaches the stream, which needs the relay
-
-            relay.credential_listeners.add(revocation.credentials_changed)
-            relay.auth_failure_listeners.add(throttle.failure_announced)
+            relay.credential_listeners.update(_credential_listeners)
+            relay.auth_failure_listeners.update(_auth_failure_listeners)
     await relay.start()
     await relay.open_pool()
     return relay
