@@ -10,6 +10,7 @@ import codecs
 import contextlib
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -324,12 +325,36 @@ def session_ended(pid: int) -> bool:
     return ended
 
 
-def process_with_port(server: ServeProcess, port: int) -> psutil.Process | None:
-    """The server process whose database connection leaves from local ``port``."""
+def process_of_session(server: ServeProcess, backend: int, port: int) -> psutil.Process | None:
+    """The server process at the other end of database session ``backend``: the one whose
+    connection leaves from local ``port`` over TCP, or over a Unix socket (the embedded
+    database listens on one only, and the port is then -1) the one that holds the peer of
+    the backend's socket, as ``ss`` tells."""
     for worker in server_processes(server):
         with contextlib.suppress(psutil.Error):
-            if any(c.laddr.port == port for c in worker.net_connections("tcp")):
+            if port > 0 and any(c.laddr.port == port for c in worker.net_connections("tcp")):
                 return worker
+            if port <= 0 and worker.pid == unix_socket_peer(backend):
+                return worker
+    return None
+
+
+def unix_socket_peer(pid: int) -> int | None:
+    """The process at the other end of a Unix socket that process ``pid`` holds (the first
+    such, by ``ss -xp``), or None."""
+    # Each line: netid, state, two queues, local address and inode, peer address and
+    # inode, then the processes that hold the socket.
+    line = re.compile(r"^\S+\s+\S+\s+\d+\s+\d+\s+\S+\s+(\d+)\s+\S+\s+(\d+)\s+(.*)$")
+    holders: dict[int, list[int]] = {}
+    peers: dict[int, int] = {}
+    listing = subprocess.run(["ss", "-xpnH"], capture_output=True, text=True, check=True)
+    for match in filter(None, map(line.match, listing.stdout.splitlines())):
+        inode, peer, users = int(match[1]), int(match[2]), match[3]
+        holders[inode] = [int(p) for p in re.findall(r"pid=(\d+)", users)]
+        peers[inode] = peer
+    for inode, pids in holders.items():
+        if pid in pids and peers[inode] in holders and holders[peers[inode]]:
+            return holders[peers[inode]][0]
     return None
 
 
@@ -377,7 +402,8 @@ def test_a_request_whose_process_is_killed_inside_the_database_is_not_sent_again
             lambda: sessions_waiting(), timeout=30, what="a session waiting"
         )
         worker = eventually(
-            lambda: process_with_port(behind_pushpin, port), what="the session's server process"
+            lambda: process_of_session(behind_pushpin, backend, port),
+            what="the session's server process",
         )
         worker.kill()
         # Sent again, the request would reach the other process and wait behind the lock too.
