@@ -16,7 +16,7 @@ class AccessConfig(AppConfig):
         from django.contrib.auth.signals import user_logged_out, user_login_failed
 
         from access import throttle
-        from board import relay
+        from board.live import relay
 
         relay.on_auth_failure(throttle.failure_announced)
         user_login_failed.connect(throttle.on_login_failed, dispatch_uid="access.throttle")
@@ -25,8 +25,8 @@ class AccessConfig(AppConfig):
 
 def announce_logout(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
     """A logout changes the user's credentials: announce it as the database announces the
-    others (migrations board 0014 and 0015, board.revocation), so that the streams that the ended
-    session opened end now rather than at their next re-check."""
+    others (migrations board 0014 and 0015, board.live.revocation), so that the streams
+    that the ended session opened end now rather than at their next re-check."""
     if user is None or user.pk is None:
         return
     # Django sends this signal before it ends the session: end it first, or a stream's

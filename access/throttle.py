@@ -24,7 +24,7 @@ An address with no failure in the current window or the one before reads the sam
 every call until it fails, so each server process remembers such addresses
 (:class:`CleanAddresses`) and skips the read for them: the API's valid calls make one
 statement fewer each. An address's first failure of a window is announced with NOTIFY
-(``auth_failures``), which every process's event relay hears (board.relay), and makes every
+(``auth_failures``), which every process's event relay hears (board.live.relay), and makes every
 process forget it; a process whose relay is not listening remembers nothing.
 
 The client address is ``REMOTE_ADDR``, as uvicorn sets it: the TCP peer, or what
@@ -47,8 +47,8 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import NoReverseMatch, reverse
 
-from board.errors import error_response
-from board.middleware import database_unavailable, is_database_outage
+from board.http.errors import error_response
+from board.http.middleware import database_unavailable, is_database_outage
 from board.sql import load
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ QUERIES = load(Path(__file__).with_name("throttle.sql"))
 API_PREFIX = "/api/"
 # What the API serves to anyone, with no authentication at all.
 PUBLIC_API_PREFIXES = ("/api/v1/schema/", "/api/v1/docs/")
-METRICS_PATH = "/metrics"  # board.metrics: staff tokens are tried there too
+METRICS_PATH = "/metrics"  # board.ops.metrics: staff tokens are tried there too
 
 
 def limit() -> int:
@@ -115,7 +115,7 @@ clean_addresses = CleanAddresses()
 
 def _listening() -> bool:
     """Whether an event relay of this process listens for the failures' announcements."""
-    from board.relay import running_relays
+    from board.live.relay import running_relays
 
     return any(relay.connected.is_set() for relay in running_relays())
 

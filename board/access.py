@@ -9,8 +9,8 @@ every other user may use every queue. A limited user
 - never sees another queue's tasks or events: lists leave them out, a read by id finds
   nothing (404), its stream skips them.
 
-The API (``BoardViewSet`` in board.api.views), the stream (board.stream), waiting claims
-(through the claim view) and the board pages (board.views) all ask :func:`queue_access`
+The API (``BoardViewSet`` in board.api.views), the stream (board.live.stream), waiting claims
+(through the claim view) and the board pages (board.pages.views) all ask :func:`queue_access`
 and apply the answer with the methods of :class:`QueueAccess`.
 """
 

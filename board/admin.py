@@ -33,7 +33,6 @@ from django.utils.safestring import SafeString
 from board import transitions
 from board.access import queue_access
 from board.api.permissions import may_pause_queues
-from board.forms import QueueNoteForm
 from board.models import (
     Delivery,
     DeliveryStatus,
@@ -44,8 +43,9 @@ from board.models import (
     TaskEvent,
     Webhook,
 )
-from board.relations import relations_of
-from board.timeline import requested_page, timeline_page
+from board.pages.forms import QueueNoteForm
+from board.pages.relations import relations_of
+from board.pages.timeline import requested_page, timeline_page
 
 admin.site.site_header = "Taskboard administration"
 admin.site.site_title = "Taskboard admin"
@@ -100,7 +100,7 @@ class TaskChangeList(ChangeList):
 class ReadOnlyTaskAdmin(ReadOnlyAdmin):
     """A read-only task admin, with the renderings the task and escalation admins share.
 
-    A task's page shows its newest events (board.timeline.PAGE_SIZE, long texts cut short)
+    A task's page shows its newest events (board.pages.timeline.PAGE_SIZE, long texts cut short)
     and links the rest: its history page, a page of events at a time, and the event list.
     """
 

@@ -11,7 +11,7 @@ class BoardConfig(AppConfig):
     verbose_name = "Task board"
 
     def ready(self) -> None:
-        from board import relay, revocation
+        from board.live import relay, revocation
 
         post_migrate.connect(_create_event_partitions_ahead, sender=self)
         relay.on_credentials_changed(revocation.credentials_changed)

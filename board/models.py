@@ -274,7 +274,7 @@ class TaskEvent(models.Model):
     # Ids come from a sequence, so they increase in insertion order (not commit order).
     # The table is partitioned by month of created_at (migration 0011): the database's
     # primary key is (id, created_at), as PostgreSQL requires of a partitioned table, and id
-    # alone stays unique because only the one sequence hands ids out (board.archive).
+    # alone stays unique because only the one sequence hands ids out (board.ops.archive).
     id = models.BigAutoField(primary_key=True)
     # Indexed together with id below (the per-task timeline), not on its own.
     task = models.ForeignKey(Task, on_delete=models.PROTECT, related_name="events", db_index=False)
@@ -430,7 +430,7 @@ class AgentActivity(models.Model):
 
 class WebhookKind(models.TextChoices):
     WEBHOOK = "webhook"
-    # The one row that stands for EMAIL_URL's escalation emails (board.deliveries).
+    # The one row that stands for EMAIL_URL's escalation emails (board.notifications.deliveries).
     EMAIL = "email"
 
 
@@ -481,11 +481,12 @@ class Delivery(models.Model):
     """One event to send through one webhook (or by email), or one password reset email
     (``recipient``, through the email row), delivered at least once.
 
-    Claimed by the server processes like a task (board.deliveries): FOR UPDATE SKIP LOCKED,
-    then a lease (``leased_until`` and ``lease_token``) that a killed process leaves to run
-    out; the outcome is recorded only under the token. ``next_attempt_at`` is when it is
-    due: the next retry, or while leased, the end of the lease. Retried with backoff until
-    ``armed_at`` + TASKBOARD_DELIVERY_HORIZON_SECONDS, then failed; a staff retry re-arms it.
+    Claimed by the server processes like a task (board.notifications.deliveries): FOR UPDATE
+    SKIP LOCKED, then a lease (``leased_until`` and ``lease_token``) that a killed process
+    leaves to run out; the outcome is recorded only under the token. ``next_attempt_at`` is
+    when it is due: the next retry, or while leased, the end of the lease. Retried with
+    backoff until ``armed_at`` + TASKBOARD_DELIVERY_HORIZON_SECONDS, then failed; a staff
+    retry re-arms it.
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -496,7 +497,7 @@ class Delivery(models.Model):
     task_id = models.BigIntegerField(null=True, blank=True)
     # A password reset email: the address that was given. Its accounts are looked up, and
     # their links made, when it is sent, so that the request that asked did the same work
-    # whether or not the address has an account (board.deliveries).
+    # whether or not the address has an account (board.notifications.deliveries).
     recipient = models.EmailField(max_length=254, null=True, blank=True)  # noqa: DJ001
     status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default="pending")
     attempts = models.IntegerField(default=0)
@@ -554,11 +555,11 @@ class DeliveryResult(models.Model):
 
 class EventCounter(models.Model):
     """One shard of how many events of one type were ever written: the counter behind
-    ``taskboard_events_total`` on ``/metrics`` (board.metrics).
+    ``taskboard_events_total`` on ``/metrics`` (board.ops.metrics).
 
     Written only by the statement trigger on task_events (schema/counters.sql), sharded like
     QueueCounter so that concurrent transitions never wait for each other here; read by
-    board.metrics, which sums the shards. Kept by the database rather than counted by each
+    board.ops.metrics, which sums the shards. Kept by the database rather than counted by each
     server process, so that every process of ``serve --workers N`` (one scrape reaches
     one of them) and every restart answers the same, monotonic figure.
     """

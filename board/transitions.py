@@ -22,7 +22,7 @@ without a change of status. Pausing a queue takes its tasks out of claims.
 Telling humans: webhooks (and the email channel) and their deliveries are written here
 too. A delivery is made with its event, in the same statement, by the trigger of
 ``board/sql/schema/deliveries.sql``; the server processes claim, send and record them
-through the functions at the end (board.deliveries).
+through the functions at the end (board.notifications.deliveries).
 
 The statements themselves live in ``board/sql/transitions.sql``. Queue and agent counters
 are kept by statement triggers on the same tables (``board/sql/schema/counters.sql``), so
@@ -706,7 +706,7 @@ def set_email_channel(*, active: bool) -> Webhook:
 
 
 def queue_password_reset(*, address: str) -> None:
-    """Queue a password reset email to ``address`` (board.deliveries sends it, to each
+    """Queue a password reset email to ``address`` (board.notifications.deliveries sends it, to each
     account of that address, if any), and turn the email channel on first if no server
     process has yet (the form is served only when EMAIL_URL is set)."""
     if not _rows("queue_password_reset", {"address": address}):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path, register_converter
 
-from board import views
+from board.pages import views
 from escalations.triage import TRIAGES
 
 

@@ -28,8 +28,8 @@ from board import transitions
 from board.access import queue_access
 from board.admin import ReadOnlyTaskAdmin
 from board.exceptions import InvalidTransition, TaskNotFound
-from board.forms import CommentForm
 from board.models import Task
+from board.pages.forms import CommentForm
 from escalations.models import EscalatedTask
 from escalations.triage import CANCEL, REQUEUE, RESOLVE, Triage, may_triage
 

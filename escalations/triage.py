@@ -2,7 +2,7 @@
 calls, the form that asks for its note (and result), and who may use them.
 
 The admin's queue (escalations.admin) and an escalated task's page on the board
-(board.views) both offer them from these definitions, so they call the same transitions
+(board.pages.views) both offer them from these definitions, so they call the same transitions
 with the same narrowing and ask the same people.
 """
 

@@ -3,19 +3,20 @@
 Django serves the pages and the API as a WSGI application on a fixed pool of worker
 threads (a2wsgi), so that each thread keeps its database connection across requests
 (CONN_MAX_AGE) and a process never holds more connections than it has threads (and,
-for a moment, the one that each GET /healthz check makes: board.health). Django's
+for a moment, the one that each GET /healthz check makes: board.ops.health). Django's
 own ASGI handler would run every request on a new thread, with a new connection. In front:
 
-- ``/api/v1/stream/`` goes to board.stream, a plain ASGI endpoint, so that an open stream
+- ``/api/v1/stream/`` goes to board.live.stream, a plain ASGI endpoint, so that an open stream
   holds no worker thread and no database connection;
-- ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.waiting, which waits for
+- ``POST /api/v1/tasks/claim/`` with ``wait`` goes through board.live.waiting, which waits for
   work between claim attempts outside Django, for the same reason;
 - RequestBodyLimit reads every body before the request takes a thread, refusing one over
   1 MiB (413) or slower than TASKBOARD_BODY_TIMEOUT (408), and gives chunked bodies a length;
-- ``/mcp/`` goes to board.mcp_http, the MCP tools over Streamable HTTP, which call this
+- ``/mcp/`` goes to board.mcp.endpoint, the MCP tools over Streamable HTTP, which call this
   application in process;
-- the lifespan starts the process's sender of webhooks and emails (board.deliveries), and
-  behind Pushpin (GRIP_URL) its candidate publisher of events (board.grip);
+- the lifespan starts the process's sender of webhooks and emails
+  (board.notifications.deliveries), and behind Pushpin (GRIP_URL) its candidate publisher
+  of events (board.live.grip);
 - on SIGTERM or SIGINT, open streams, waiting claims and MCP sessions end at once
   (taskboard.server); the lifespan protocol then stops the sender and the event relay.
 """
@@ -109,10 +110,12 @@ django_application = WSGIMiddleware(
     workers=settings.TASKBOARD_THREADS,
 )
 
-from board import deliveries, grip, mcp_http, stream, waiting  # noqa: E402  (needs Django set up)
-from board.asgi_tools import closing  # noqa: E402
-from board.middleware import RequestBodyLimit  # noqa: E402
-from board.relay import stop_relays  # noqa: E402
+from board.http.asgi_tools import closing  # noqa: E402
+from board.http.middleware import RequestBodyLimit  # noqa: E402
+from board.live import grip, stream, waiting  # noqa: E402
+from board.live.relay import stop_relays  # noqa: E402
+from board.mcp import endpoint as mcp_endpoint  # noqa: E402
+from board.notifications import deliveries  # noqa: E402  (needs Django set up)
 from taskboard.server import on_exit_signal, tune_garbage_collector  # noqa: E402
 
 http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  # type: ignore[arg-type]
@@ -123,8 +126,8 @@ async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
         scope["path"] == stream.PATH or scope["path"].startswith(stream.NEXT_PATH)
     ):
         await stream.application(scope, receive, send)
-    elif scope["type"] == "http" and scope["path"] in mcp_http.PATHS:
-        await mcp_http.application(scope, receive, send)
+    elif scope["type"] == "http" and scope["path"] in mcp_endpoint.PATHS:
+        await mcp_endpoint.application(scope, receive, send)
     elif scope["type"] == "lifespan":
         await lifespan(receive, send)
     else:
@@ -146,9 +149,10 @@ async def lifespan(receive: Any, send: Any) -> None:
             waiting_start.cancel()
             if mcp.done():
                 mcp.result()  # it could not start: raise why
-            # Webhooks and escalation emails, sent from this process (board.deliveries).
+            # Webhooks and escalation emails, sent from this process
+            # (board.notifications.deliveries).
             await deliveries.start_dispatcher()
-            # Behind Pushpin, the events are published to it from one process (board.grip).
+            # Behind Pushpin, the events are published to it from one process (board.live.grip).
             grip.start_publisher()
             tune_garbage_collector()  # (taskboard.server)
             await send({"type": "lifespan.startup.complete"})
@@ -170,7 +174,7 @@ async def lifespan(receive: Any, send: Any) -> None:
 
 async def serve_mcp(started: asyncio.Event) -> None:
     """Serve ``/mcp/`` until the server begins to stop; then end its sessions."""
-    async with mcp_http.serving(http_application):
+    async with mcp_endpoint.serving(http_application):
         started.set()
         await closing().wait()
 

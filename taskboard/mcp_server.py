@@ -1,5 +1,5 @@
 """The board as MCP tools for LLM agents: ``taskboard mcp`` (stdio), and the tools that
-the server's ``/mcp/`` serves over Streamable HTTP (board.mcp_http).
+the server's ``/mcp/`` serves over Streamable HTTP (board.mcp.endpoint).
 
 (Named mcp_server, not mcp, so that it never hides the SDK's own ``mcp`` package.)
 
@@ -12,7 +12,7 @@ the same calls to its own process's API, as the agent of the session's Bearer to
 
 A client that starts ``taskboard mcp`` for every call (the MCP Inspector's CLI does) still
 finishes what it claims: the processes of one token and board share their claims through a
-:class:`ClaimFile`. Over HTTP the sessions of one token share theirs (board.mcp_http).
+:class:`ClaimFile`. Over HTTP the sessions of one token share theirs (board.mcp.endpoint).
 
 Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
 here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
@@ -260,7 +260,7 @@ class Session:
     """The leases one MCP session holds, each kept alive by its own heartbeat thread.
 
     ``owns_client``: :meth:`close` closes the client too. ``not_held``: what a refusal
-    says of a task held elsewhere. Over HTTP, board.mcp_http sets :attr:`take_over` and
+    says of a task held elsewhere. Over HTTP, board.mcp.endpoint sets :attr:`take_over` and
     :attr:`park`, so that the sessions of one token share their claims.
     """
 
@@ -283,7 +283,7 @@ class Session:
         self._owns_client = owns_client
         self._claims = 0  # claims under way, for which the client stays open
         self._lock = threading.Lock()
-        # Whether the session's client is there (board.mcp_http says), and whether the
+        # Whether the session's client is there (board.mcp.endpoint says), and whether the
         # heartbeats are paused for its absence; settle() makes the second follow the first.
         self.present = True
         self._paused = False
@@ -482,7 +482,7 @@ class Session:
         """Stop every heartbeat (the session is over); the leases run out as usual.
 
         Blocks until the heartbeat threads end: never call it from an event loop whose
-        requests those threads may be waiting for (board.mcp_http).
+        requests those threads may be waiting for (board.mcp.endpoint).
         """
         with self._lock:
             self.closed = True
@@ -522,7 +522,7 @@ async def _call(
     """Run a blocking client call in a worker thread, turning refusals into tool errors.
 
     Everything that may wait for the board (a request, a heartbeat thread to stop) runs
-    in a worker thread, never on the event loop: over HTTP (board.mcp_http) the board's
+    in a worker thread, never on the event loop: over HTTP (board.mcp.endpoint) the board's
     answers come from that very loop.
     """
 

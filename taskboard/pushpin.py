@@ -8,7 +8,7 @@ manager would do for the system service). Browsers' streams then resume with
 ``Last-Event-ID`` through the new Pushpin, so nothing is missed or repeated.
 
 Pushpin is the public listener; the board's N processes (``--workers N``) share one
-private port behind it. Streams are held in Pushpin (board.grip): ``serve`` gives its
+private port behind it. Streams are held in Pushpin (board.live.grip): ``serve`` gives its
 processes ``GRIP_URL`` (:attr:`Pushpin.grip_url`), with the publish port and signing key
 chosen here once, so that they stay the same when Pushpin is started again.
 """
@@ -35,7 +35,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "deploy" / "pushpin"
 # Pushpin's internal TCP ports (the handler's), before the offset: 5560 to 5563.
 INTERNAL_PORTS = range(5560, 5564)
 SETTLE_SECONDS = 1.0
-PUBLISH_PORT = 5561  # push_in_http_port: where events are published (board.grip)
+PUBLISH_PORT = 5561  # push_in_http_port: where events are published (board.live.grip)
 
 
 class PushpinUnavailable(RuntimeError):
@@ -121,7 +121,7 @@ class Pushpin:
 
     @property
     def grip_url(self) -> str:
-        """``GRIP_URL`` for the board's processes (board.grip): Pushpin's publish endpoint,
+        """``GRIP_URL`` for the board's processes (board.live.grip): Pushpin's publish endpoint,
         and the issuer and key of the signature it puts on each request."""
         publish_port = PUBLISH_PORT + self.port_offset
         return (

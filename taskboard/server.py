@@ -72,7 +72,7 @@ class HttpToolsProtocol(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol)
       bounds only the idle time between requests, so a connection that never sent
       anything, or sent a header line now and then, was held open for good, each one a
       socket and a parser. Once the headers are in, nothing here limits the request:
-      its body has its own deadline (board.middleware), and a response may last as long
+      its body has its own deadline (board.http.middleware), and a response may last as long
       as it likes (a stream).
     """
 
@@ -320,7 +320,7 @@ def run(config: Config, sock: socket.socket | None = None) -> None:
     try:
         if config.workers > 1:
             # The processes learn where each listens for the /mcp/ requests of its sessions
-            # that reach another (board.mcp_workers): a directory of mode 0700, so that
+            # that reach another (board.mcp.forwarding): a directory of mode 0700, so that
             # only this user reaches the sockets.
             # A socket's path may be 107 bytes at most: under a long TMPDIR, use /tmp.
             short = len(tempfile.gettempdir()) <= 60
@@ -351,7 +351,7 @@ def _share_metrics() -> str | None:
     that made each claim. prometheus_client's multiprocess mode, turned on by
     ``PROMETHEUS_MULTIPROC_DIR`` in the workers' environment (they are started after this,
     and read it when they first import the library), keeps each process's values in a file
-    there, and a scrape of any worker sums them all (board.metrics). A fresh directory per
+    there, and a scrape of any worker sums them all (board.ops.metrics). A fresh directory per
     ``serve``, so that no count of an earlier run is added in; the operator's own directory
     is emptied of an earlier run's files (prometheus_client sums every file there).
     """

@@ -137,7 +137,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "csp",
-    # django-eventstream is used for its SSE encoder (board.relay), not as an app: the
+    # django-eventstream is used for its SSE encoder (board.live.relay), not as an app: the
     # events live in task_events, so its tables are neither created nor kept (board
     # migration 0010 drops them where an earlier version made them).
     "taskboard",
@@ -147,18 +147,18 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "board.middleware.BodySizeLimitMiddleware",
+    "board.http.middleware.BodySizeLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "board.middleware.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS; 308 to slash
-    "board.middleware.NulCharacterMiddleware",
+    "board.http.middleware.CommonMiddleware",  # refuses hosts not in ALLOWED_HOSTS; 308 to slash
+    "board.http.middleware.NulCharacterMiddleware",
     "access.throttle.FailedAuthenticationThrottle",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "board.middleware.DatabaseUnavailableMiddleware",
+    "board.http.middleware.DatabaseUnavailableMiddleware",
 ]
 
 # TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
@@ -259,7 +259,7 @@ if DATABASE_LISTEN_URL:
 # which lends each transaction another server connection (see the README).
 DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATABASE_LISTEN_URL)
 
-# Pushpin's publish endpoint and request signature (board.grip; django-grip's format):
+# Pushpin's publish endpoint and request signature (board.live.grip; django-grip's format):
 # streams are then held in Pushpin. `serve --pushpin` sets it for its processes.
 GRIP_URL = os.environ.get("GRIP_URL", "")
 if GRIP_URL and not GRIP_URL.lower().startswith(("http://", "https://")):
@@ -269,7 +269,7 @@ if GRIP_URL and not GRIP_URL.lower().startswith(("http://", "https://")):
 TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int(
     "TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600, minimum=1
 )
-# How much memory each server process keeps of the latest events (board.relay), from which
+# How much memory each server process keeps of the latest events (board.live.relay), from which
 # a stream that reconnects is replayed; older gaps are read from task_events. At least
 # one event's worth (a streamed event is at most 64 KiB).
 TASKBOARD_STREAM_BUFFER_BYTES = env_int(
@@ -321,7 +321,7 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
 
-# Bodies over 1 MiB are refused with 413 (board.middleware.BodySizeLimitMiddleware).
+# Bodies over 1 MiB are refused with 413 (board.http.middleware.BodySizeLimitMiddleware).
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
 REST_FRAMEWORK = {
@@ -368,7 +368,7 @@ SPECTACULAR_SETTINGS = {
 TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4, minimum=1)
 
 # Seconds a request body may take to arrive in full; a slower one is refused with 408.
-# Bodies are read before a request takes a worker thread (board.middleware.RequestBodyLimit).
+# Bodies are read before a request takes a worker thread (board.http.middleware.RequestBodyLimit).
 TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
 
 # Seconds a connection has to send a request's complete headers, from when it opens (or,
@@ -391,7 +391,7 @@ for _proxy in FORWARDED_ALLOW_IPS:
             f"not {_proxy!r}"
         ) from None
 
-# Seconds GET /healthz waits for the database's answer before it answers 503 (board.health).
+# Seconds GET /healthz waits for the database's answer before it answers 503 (board.ops.health).
 TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 
 # Seconds a server process of ``serve --workers N`` may leave its supervisor's check (made
@@ -406,7 +406,7 @@ TASKBOARD_WORKER_TIMEOUT = env_int("TASKBOARD_WORKER_TIMEOUT", 30, minimum=1, ma
 # A deleted token or a deactivated user is refused at most this long after the change.
 TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10, minimum=0)
 
-# GET /metrics (board.metrics) answers anyone when true; otherwise staff only (a staff
+# GET /metrics (board.ops.metrics) answers anyone when true; otherwise staff only (a staff
 # user's API token, or a staff session), as the API authenticates.
 TASKBOARD_METRICS_PUBLIC = env_bool("TASKBOARD_METRICS_PUBLIC", False)
 
@@ -425,7 +425,7 @@ TASKBOARD_CREATE_RATE = env_int("TASKBOARD_CREATE_RATE", 6000, minimum=0)
 TASKBOARD_COMMENT_RATE = env_int("TASKBOARD_COMMENT_RATE", 600, minimum=0)
 
 # Seconds an MCP session over Streamable HTTP (/mcp/) may be idle (no request in flight, no
-# open stream) before it ends and its leases stop being renewed (board.mcp_http). The SDK's
+# open stream) before it ends and its leases stop being renewed (board.mcp.endpoint). The SDK's
 # client keeps a stream open for as long as it runs, so this is how long a vanished client's
 # tasks stay held, before their leases run out.
 TASKBOARD_MCP_SESSION_IDLE_SECONDS = env_int("TASKBOARD_MCP_SESSION_IDLE_SECONDS", 120)
@@ -434,7 +434,7 @@ if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
 
 # Under `taskboard serve --workers N` (N > 1): the private directory where each of its
 # processes listens on a Unix socket of its own for the /mcp/ requests of its sessions
-# that reach another (board.mcp_workers); serve makes it for them. Unset: this process
+# that reach another (board.mcp.forwarding); serve makes it for them. Unset: this process
 # serves its sessions' requests by itself.
 TASKBOARD_SERVE_SOCKETS = os.environ.get("TASKBOARD_SERVE_SOCKETS", "")
 
@@ -447,14 +447,15 @@ TASKBOARD_MAX_ATTEMPT_SECONDS = env_int("TASKBOARD_MAX_ATTEMPT_SECONDS", 0) or N
 if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_SECONDS <= 604800:
     raise ImproperlyConfigured("TASKBOARD_MAX_ATTEMPT_SECONDS must be 1..604800 seconds, or unset.")
 
-# Telling humans (board.deliveries): webhooks and escalation emails, delivered by the
+# Telling humans (board.notifications.deliveries): webhooks and escalation emails, delivered by the
 # server processes themselves. The board's address as people reach it, for the links in
 # Slack messages and emails to a task's admin page.
 TASKBOARD_PUBLIC_URL = os.environ.get("TASKBOARD_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 # Seconds a receiver has to answer a delivery with a 2xx (the contract's 10 s).
 TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10, minimum=1)
 # Whether webhooks may reach loopback, private, link-local and other non-public addresses
-# (board.webhook_addresses): off, staff could probe the server's own network through them.
+# (board.notifications.webhook_addresses): off, staff could probe the server's own network
+# through them.
 TASKBOARD_WEBHOOK_ALLOW_PRIVATE = env_bool("TASKBOARD_WEBHOOK_ALLOW_PRIVATE", False)
 # A failed attempt is retried after a random delay of up to BACKOFF * 2^(attempts-1) seconds
 # (at most MAX_BACKOFF: exponential backoff, full jitter), for HORIZON seconds after the
@@ -470,11 +471,11 @@ TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int(
 # every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
 # user with an email).
 # When EMAIL_URL is set, the password reset pages are served too, their emails delivered
-# as the escalations' are (board.views.PasswordResetView); unset, there are none.
+# as the escalations' are (board.pages.views.PasswordResetView); unset, there are none.
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
 EMAIL_URL = os.environ.get("EMAIL_URL", "")
 # Seconds each SMTP read or write may wait, for any email sent through Django (Django's
-# default is none: forever). board.deliveries bounds its whole session more tightly.
+# default is none: forever). board.notifications.deliveries bounds its whole session more tightly.
 # EMAIL_URL's ?timeout= wins.
 EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
 if EMAIL_URL:

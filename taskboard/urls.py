@@ -7,9 +7,9 @@ from django.templatetags.static import static
 from django.urls import URLPattern, URLResolver, include, path
 from django.views.generic import RedirectView
 
-from board.health import healthz
-from board.metrics import MetricsView
-from board.views import PasswordResetView
+from board.ops.health import healthz
+from board.ops.metrics import MetricsView
+from board.pages.views import PasswordResetView
 
 PASSWORD_RESET_PAGES = {
     "password_reset",
@@ -23,7 +23,7 @@ def account_urls() -> list[URLPattern | URLResolver]:
     """Return Django's login, logout and password change pages, and its password reset
     pages only when EMAIL_URL is set: with no way to send the email, a reset form would
     only tell anyone who asks which addresses have accounts. The form is the board's,
-    which queues the email (board.views.PasswordResetView)."""
+    which queues the email (board.pages.views.PasswordResetView)."""
     pages = [p for p in auth_urls.urlpatterns if getattr(p, "name", None) != "password_reset"]
     if not settings.EMAIL_URL:
         return [p for p in pages if getattr(p, "name", None) not in PASSWORD_RESET_PAGES]
@@ -42,7 +42,7 @@ urlpatterns = [
     path("", include("board.urls")),
 ]
 
-handler400 = "board.errors.bad_request"
-handler403 = "board.errors.permission_denied"
-handler404 = "board.errors.not_found"
-handler500 = "board.errors.server_error"
+handler400 = "board.http.errors.bad_request"
+handler403 = "board.http.errors.permission_denied"
+handler404 = "board.http.errors.not_found"
+handler500 = "board.http.errors.server_error"

@@ -106,7 +106,7 @@ def open_raw_connection() -> Iterator[Callable[..., Any]]:
     """
     import psycopg  # only these tests need the driver itself
 
-    from board.relay import django_conninfo
+    from board.live.relay import django_conninfo
 
     opened: list[psycopg.Connection[Any]] = []
 

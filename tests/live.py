@@ -65,7 +65,7 @@ def live_server(port: int | None = None) -> Iterator[LiveServer]:
 
 @contextmanager
 def relay_cut_off(relay: Any) -> Iterator[None]:
-    """Cut ``relay`` (board.relay.Relay) off from the database and keep it from reconnecting
+    """Cut ``relay`` (board.live.relay.Relay) off from the database and keep it from reconnecting
     for the block, so that what is announced meanwhile is lost to it; after the block,
     wait until it listens again on a new connection."""
     from django.db import connection
@@ -189,9 +189,9 @@ class StreamCollector:
 @contextmanager
 def live_server_behind_pushpin(directory: Path, settings: Any) -> Iterator[LiveServer]:
     """A LiveServer with a real Pushpin in front (taskboard.pushpin, Debian's pushpin), on
-    the GRIP path of board.grip: streams held in Pushpin, events published to it. The
+    the GRIP path of board.live.grip: streams held in Pushpin, events published to it. The
     server it yields has the LiveServer's relay and the Pushpin's ``url``."""
-    from board import grip
+    from board.live import grip
     from taskboard.pushpin import Pushpin
 
     origin_port = free_port()

@@ -21,11 +21,11 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
-from board import stream as stream_module
 from board import transitions
 from board.access import EVERY_QUEUE, QueueAccess, limit_queues, queue_access
+from board.live import stream as stream_module
+from board.live.waiting import WaitingRoom
 from board.models import QueueLimit, Task, TaskEvent
-from board.waiting import WaitingRoom
 from tests.factories import StaffFactory, TokenFactory, UserFactory, grant
 from tests.live import LiveServer, StreamCollector
 

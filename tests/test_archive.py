@@ -1,5 +1,5 @@
 """The event log partitioned by month (migration 0011) and ``taskboard archive``
-(board.archive): partitions made ahead and on demand, the append-only log on every
+(board.ops.archive): partitions made ahead and on demand, the append-only log on every
 partition, and archives that take whole months out, verified, with nothing else touched."""
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def test_archive_refuses_a_database_before_the_partitioned_log(tmp_path: Path) -
 def test_a_file_that_does_not_read_back_as_written_drops_nothing(
     history: dict[str, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from board import archive
+    from board.ops import archive
 
     read_back = archive._read_back
 
@@ -423,7 +423,7 @@ def test_a_month_that_gains_an_event_after_the_export_stays_out_of_the_file(
     """A month still being written (the current one, say) refuses its drop; the file then
     holds the months dropped before it and nothing else, so archiving that month again to
     another file puts none of its events in two files."""
-    from board import archive
+    from board.ops import archive
 
     read_back = archive._read_back
     late: list[int] = []
@@ -605,7 +605,7 @@ def test_a_delivery_retried_during_the_archive_stops_the_drop_of_its_month(
 ) -> None:
     """Checked again under the locks of each month's drop: a staff retry of a failed
     delivery after the first check (here, while the file is read back) makes it pending."""
-    from board import archive
+    from board.ops import archive
 
     webhook(staff)
     past_event(Task.objects.get(title="old"), month_start(2) + timedelta(days=1), type="escalated")

@@ -1,4 +1,4 @@
-"""The board's HTML pages (board.views): the board with its queues and agents panels, a
+"""The board's HTML pages (board.pages.views): the board with its queues and agents panels, a
 task's page with its work graph and comment form, pausing a queue, the login and the 404s.
 
 What the browser does with them (the live stream, the buttons) is in test_browser.py.
@@ -20,7 +20,7 @@ from django.test import Client
 from board import transitions
 from board.access import limit_queues
 from board.models import QueuePause, QueueState, Task, TaskEvent
-from board.views import stream_head_id, stream_horizon
+from board.pages.views import stream_head_id, stream_horizon
 from tests.factories import StaffFactory, UserFactory, grant
 
 pytestmark = pytest.mark.django_db
@@ -189,7 +189,7 @@ def test_the_board_orders_pending_tasks_as_a_claim_would(
 def test_the_board_shows_only_the_latest_finished_tasks(
     browser: Client, make_task: Callable[..., Task], staff: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("board.views.FINISHED_LIMIT", 2)
+    monkeypatch.setattr("board.pages.views.FINISHED_LIMIT", 2)
     cancelled = [make_task(title=f"old {n}") for n in range(3)]
     for task in cancelled:
         transitions.cancel(task_id=task.id, actor=staff)

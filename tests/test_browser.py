@@ -155,7 +155,7 @@ def test_an_event_the_board_already_counts_is_not_counted_again_when_the_stream_
     """A transaction left open holds the stream's stable prefix back: a task created after
     it began is in the page's counts, and the stream will still send its "created" event.
     (The column shows one card, so the page cannot tell from its cards.)"""
-    monkeypatch.setattr("board.views.OPEN_COLUMN_LIMIT", 1)
+    monkeypatch.setattr("board.pages.views.OPEN_COLUMN_LIMIT", 1)
     make_task(title="Urgent", priority=10)
     inserted, release = threading.Event(), threading.Event()
 
@@ -214,7 +214,7 @@ def test_a_task_the_board_did_not_draw_is_fetched_and_counted_when_it_comes_back
     make_task: Callable[..., Task],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("board.views.FINISHED_LIMIT", 1)
+    monkeypatch.setattr("board.pages.views.FINISHED_LIMIT", 1)
     older, newer = make_task(title="Older export"), make_task(title="Newer export")
     for task in (older, newer):
         transitions.cancel(task_id=task.id, actor=staff)

@@ -1,5 +1,5 @@
-"""Deliveries made by a live server's dispatcher (board.deliveries) to real receivers: an
-HTTP server that fails, times out and recovers, and an SMTP server."""
+"""Deliveries made by a live server's dispatcher (board.notifications.deliveries) to real
+receivers: an HTTP server that fails, times out and recovers, and an SMTP server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from board import deliveries, transitions
+from board import transitions
 from board.models import Delivery, Webhook
+from board.notifications import deliveries
 from tests.live import LiveServer, free_port, live_server
 from tests.processes import eventually
 from tests.receivers import WebhookReceiver, smtp_receiver
@@ -379,7 +380,7 @@ def test_a_delivery_made_while_the_relay_was_cut_off_is_sent_when_it_reconnects(
 ) -> None:
     from django.db import connection
 
-    from board import relay as relay_module
+    from board.live import relay as relay_module
 
     [relay] = [r for loop, r in relay_module._relays.items() if not loop.is_closed()]
     with WebhookReceiver() as receiver:

@@ -15,7 +15,7 @@ from django.db import connections
 from django.test import Client
 from rest_framework.test import APIClient
 
-from board import health
+from board.ops import health
 
 # Outages close the default connection, which a test inside a transaction cannot survive.
 pytestmark = [

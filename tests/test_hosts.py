@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from board import relay as relay_module
+from board.live import relay as relay_module
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
 

@@ -745,7 +745,7 @@ anyio.run(main, sys.argv[1], sys.argv[2])
 def test_http_a_killed_clients_task_returns_within_its_lease_not_the_session_idle_time(
     server: LiveServer, token: str, settings: Any
 ) -> None:
-    from board.mcp_http import AWAY_AFTER
+    from board.mcp.endpoint import AWAY_AFTER
 
     lease = 3
     assert settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS == 120  # the default, far above

@@ -205,7 +205,7 @@ def test_forty_waiting_claims_do_not_hold_up_another_sessions_tools(
 @contextlib.contextmanager
 def two_servers(settings: Any) -> Iterator[tuple[LiveServer, LiveServer, Path]]:
     """Two servers as two processes of one ``serve --workers 2`` see each other: each
-    listens on a socket of its own in one private directory (board.mcp_workers). Here they
+    listens on a socket of its own in one private directory (board.mcp.forwarding). Here they
     are two servers in this process, on two ports, so that a test picks which one each
     request reaches."""
     directory = Path(tempfile.mkdtemp(prefix="tb-mcp-"))  # short: a socket's path is
@@ -354,16 +354,16 @@ def test_a_forwarded_requests_client_address_cannot_be_forged(
 def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from board import mcp_http
+    from board.mcp import endpoint as mcp_endpoint
 
     lookups: list[str] = []
-    real = mcp_http.authorize
+    real = mcp_endpoint.authorize
 
     def counted(headers: dict[str, str], address: str = "") -> Any:
         lookups.append(address)
         return real(headers, address)
 
-    monkeypatch.setattr(mcp_http, "authorize", counted)
+    monkeypatch.setattr(mcp_endpoint, "authorize", counted)
     alice = token_of("alice")
     url = f"{server.url}/mcp/"
     session_id = open_session(url, alice)
@@ -380,7 +380,7 @@ def test_when_the_database_is_away_a_session_goes_on_and_a_new_one_gets_a_json_r
 ) -> None:
     from django.db import OperationalError
 
-    from board import mcp_http
+    from board.mcp import endpoint as mcp_endpoint
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0  # every request looks its token up
     alice = token_of("alice")
@@ -390,7 +390,7 @@ def test_when_the_database_is_away_a_session_goes_on_and_a_new_one_gets_a_json_r
     def away(headers: dict[str, str], address: str = "") -> Any:
         raise OperationalError("the database is away")
 
-    monkeypatch.setattr(mcp_http, "authorize", away)
+    monkeypatch.setattr(mcp_endpoint, "authorize", away)
     # The session's request goes on: its tool call meets the board as it is (here, up).
     status, body = call(url, alice, session_id, "list_tasks")
     assert status == 200 and not body["result"].get("isError"), body

@@ -1,6 +1,6 @@
 """The password reset: served only when EMAIL_URL is set, throttled as logins are, and
 answered without sending anything: its email is queued and delivered as the escalation
-emails are (board.views.PasswordResetView, board.deliveries)."""
+emails are (board.pages.views.PasswordResetView, board.notifications.deliveries)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import clear_url_caches, set_urlconf
 
-from board import deliveries, transitions
+from board import transitions
 from board.models import Delivery
+from board.notifications import deliveries
 from tests import processes
 from tests.factories import UserFactory
 from tests.processes import ServeProcess, eventually

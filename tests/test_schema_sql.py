@@ -148,7 +148,7 @@ def _event_log_partitions() -> list[str]:
 
 def test_every_partition_of_the_event_log_refuses_changes() -> None:
     """Each partition has the parent's row trigger (cloned) and its own TRUNCATE trigger,
-    those the migrations made and one made later (as board.transitions and board.archive
+    those the migrations made and one made later (as board.transitions and board.ops.archive
     make them)."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT task_events_ensure_partition('2099-01-15T00:00:00Z')")

@@ -17,9 +17,9 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from board import relay as relay_module
-from board import stream as stream_module
 from board import transitions
+from board.live import relay as relay_module
+from board.live import stream as stream_module
 from board.models import TaskEvent
 from tests import processes
 from tests.factories import TokenFactory, UserFactory
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(params=["direct", "pushpin"])
 def server(request: Any, tmp_path: Any, settings: Any) -> Iterator[LiveServer]:
     """The server of each test below: uvicorn itself, and uvicorn behind a real Pushpin
-    that holds the streams (board.grip), so that every test here holds for both paths."""
+    that holds the streams (board.live.grip), so that every test here holds for both paths."""
     if request.param == "direct":
         with live_server() as running:
             yield running
@@ -355,7 +355,7 @@ def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None
     written as the log holds it after that: by a transaction whose id has a digit fewer,
     all nines, which sorts after every newer id as text.
     """
-    from board import views
+    from board.pages import views
 
     old = transitions.create(actor=agent, title="long ago")
     newest = transitions.create(actor=agent, title="now")
@@ -388,7 +388,7 @@ def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None
 def test_event_ids_past_two_to_the_31_resume_a_stream(
     server: LiveServer, watcher: dict[str, str], agent: Any
 ) -> None:
-    from board import views
+    from board.pages import views
 
     with connection.cursor() as cursor:
         cursor.execute(
@@ -639,7 +639,7 @@ def direct_server() -> Iterator[LiveServer]:
 @pytest.fixture
 def slow_recheck(settings: Any) -> None:
     """The backstops far away: what ends a stream within seconds is the announcement of
-    the change (migration 0014, board.revocation), not a periodic re-check."""
+    the change (migration 0014, board.live.revocation), not a periodic re-check."""
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 60
     settings.TASKBOARD_HELD_STREAM_RECHECK_SECONDS = 600
 
@@ -855,8 +855,8 @@ def test_a_resume_longer_than_a_page_gets_every_event_in_order(
     server: LiveServer, watcher: dict[str, str], agent: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Behind Pushpin a replay is answered a page at a time, the next page asked for by
-    Pushpin (board.grip): the pages join without a gap or an event twice."""
-    from board import grip
+    Pushpin (board.live.grip): the pages join without a gap or an event twice."""
+    from board.live import grip
 
     monkeypatch.setattr(grip, "PAGE_EVENTS", 7)
     made = [transitions.create(actor=agent, title=f"early {n}").id for n in range(30)]
@@ -873,7 +873,7 @@ def test_a_resume_longer_than_a_page_gets_every_event_in_order(
 def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
     server: LiveServer, watcher: dict[str, str], agent: Any
 ) -> None:
-    """The next link of a held stream carries its credentials sealed (board.grip): a request
+    """The next link of a held stream carries its credentials sealed (board.live.grip): a request
     for it with anything else is held nowhere and sent nothing."""
     transitions.create(actor=agent, title="secret")
     for params in ({"link": "next"}, {"link": "next", "auth": "forged", "after": "0"}):
@@ -883,7 +883,7 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
     # A next link of the earlier form, its credentials in the query: behind Pushpin the
     # stream is ended (204; its client resumes), not answered for those credentials.
     from access import tokens
-    from board import grip
+    from board.live import grip
 
     credentials = ["token", tokens.digest(watcher["Authorization"].split()[1])]
     sealed = grip.seal(("token", credentials[1]), 1)
@@ -911,7 +911,7 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
 
 def test_one_relay_at_a_time_leads_and_the_lead_is_taken_again_when_it_is_cut_off() -> None:
     """Behind Pushpin the relays of all server processes compete for one advisory lock
-    (board.relay.LEADER_LOCK); its holder publishes. When the holder's session ends, the
+    (board.live.relay.LEADER_LOCK); its holder publishes. When the holder's session ends, the
     lock is free at once, and a relay (another, or the same one reconnected) takes it
     within about a second."""
     background = BackgroundLoop()
@@ -1257,7 +1257,7 @@ def test_a_stream_whose_replay_fails_ends_cleanly_and_says_why(
     monkeypatch.setattr(relay_module.Relay, "replay", failing_replay)
     resuming = {**watcher, "Last-Event-ID": resume_from}
     with (
-        caplog.at_level("WARNING", logger="board.stream"),
+        caplog.at_level("WARNING", logger="board.live.stream"),
         StreamCollector(stream_url(server), resuming) as stream,
     ):
         assert stream.status == (503 if server.origin_url != server.url else 200)
@@ -1265,7 +1265,7 @@ def test_a_stream_whose_replay_fails_ends_cleanly_and_says_why(
     assert any(
         "the database did not answer" in record.getMessage()
         for record in caplog.records
-        if record.name == "board.stream"
+        if record.name == "board.live.stream"
     ), [record.getMessage() for record in caplog.records]
 
 
@@ -1385,7 +1385,7 @@ def test_a_recheck_that_a_change_of_credentials_overtakes_is_not_remembered(
 def test_a_stream_answered_across_a_change_of_credentials_is_not_held(
     watcher: dict[str, str],
 ) -> None:
-    """The close that a change of credentials publishes (board.revocation) may reach
+    """The close that a change of credentials publishes (board.live.revocation) may reach
     Pushpin before an answer that was being made meanwhile subscribes the user's channel:
     such an answer does not hold the stream. A new stream is sent what it was due and
     ends, a held one (its next link) is ended; each client resumes and is checked again."""
@@ -1429,7 +1429,7 @@ def test_a_stream_answered_across_a_change_of_credentials_is_not_held(
 def test_a_publisher_losing_the_lead_keeps_the_closes_it_has_queued() -> None:
     """Events queued by a publisher that loses the lead are the new leader's to send; a
     close on a user's channel is every process's, and is still sent."""
-    from board import grip
+    from board.live import grip
 
     class Relay:
         head = relay_module.Cursor(1, 5)
@@ -1458,7 +1458,7 @@ def test_a_publish_that_fails_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> 
     """Pushpin failing to take a publish loses neither a close nor the news of an event:
     the close is sent again until it goes through, and so is the latest event (from which
     a stream that missed the lost ones recovers them through its next link)."""
-    from board import grip
+    from board.live import grip
     from tests.receivers import WebhookReceiver
 
     monkeypatch.setattr(grip, "RETRY_SECONDS", (0.2, 0.4))

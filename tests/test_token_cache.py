@@ -69,7 +69,7 @@ def test_a_lookup_that_a_change_of_credentials_overtakes_is_not_remembered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A lookup may read the token before a revocation commits and finish after the
-    process heard of it (board.revocation): remembered, it would vouch for the revoked
+    process heard of it (board.live.revocation): remembered, it would vouch for the revoked
     token for TASKBOARD_TOKEN_CACHE_SECONDS, and a stream held again in Pushpin with it
     for TASKBOARD_HELD_STREAM_RECHECK_SECONDS."""
     user = UserFactory(username="overtaken")

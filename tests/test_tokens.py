@@ -653,7 +653,7 @@ def test_the_python_client_raises_throttled_with_the_wait(
         with pytest.raises(Throttled) as refused:
             board.claim()
         with pytest.raises(Throttled):
-            next(board.stream())
+            next(board.live.stream())
 
     assert refused.value.status == 429 and refused.value.code == "throttled"
     assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
@@ -756,7 +756,7 @@ def another_process_records_failures(address: str, count: int) -> None:
 
 def listening_relay(server: LiveServer) -> Any:
     """The live server's relay, once it listens (the throttle remembers nothing before)."""
-    from board import relay as relay_module
+    from board.live import relay as relay_module
 
     deadline = time.monotonic() + 10
     while True:

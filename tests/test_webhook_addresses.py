@@ -1,6 +1,6 @@
-"""Webhooks reach public addresses only (board.webhook_addresses): each connection resolves
-its host once, checks every address, and connects to the one it checked, with TLS for the
-host's name."""
+"""Webhooks reach public addresses only (board.notifications.webhook_addresses): each
+connection resolves its host once, checks every address, and connects to the one it
+checked, with TLS for the host's name."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import httpcore
 import httpx
 import pytest
 
-from board.webhook_addresses import (
+from board.notifications.webhook_addresses import (
     Address,
     AddressRefused,
     PublicOnlyBackend,
@@ -257,7 +257,7 @@ def test_through_a_proxy_from_the_environment_the_host_is_checked_before_the_pro
 ) -> None:
     """The proxy (here on 127.0.0.1, the operator's own) makes the connection: a public
     host is sent to it, a private one is refused before."""
-    from board import webhook_addresses
+    from board.notifications import webhook_addresses
     from tests.receivers import WebhookReceiver
 
     with WebhookReceiver() as proxy:

@@ -231,8 +231,8 @@ def test_staff_limited_to_queues_see_and_add_only_webhooks_of_their_queues(
 
 
 def test_escalation_emails_by_default_skip_staff_limited_to_other_queues() -> None:
-    from board import deliveries
     from board.access import limit_queues
+    from board.notifications import deliveries
     from tests.factories import StaffFactory
 
     StaffFactory(username="ann", email="ann@example.com")
@@ -260,7 +260,7 @@ def escalated_by_a_hostile_agent(make_task: Callable[..., Any], agent: Any) -> A
 def test_an_escalation_email_gives_the_boards_link_first_and_quotes_what_agents_wrote(
     make_task: Callable[..., Any], agent: Any, settings: Any
 ) -> None:
-    from board import deliveries
+    from board.notifications import deliveries
 
     settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
     settings.TASKBOARD_ESCALATION_EMAILS = ["oncall@example.com"]
@@ -292,7 +292,7 @@ def test_an_escalation_email_gives_the_boards_link_first_and_quotes_what_agents_
 def test_a_slack_message_gives_the_boards_link_first_and_quotes_what_agents_wrote(
     make_task: Callable[..., Any], agent: Any, settings: Any
 ) -> None:
-    from board import deliveries
+    from board.notifications import deliveries
 
     settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
     task = escalated_by_a_hostile_agent(make_task, agent)
@@ -504,7 +504,7 @@ def test_an_outcome_is_recorded_only_under_the_current_lease(
 def test_delivery_counts_by_result_for_the_metrics(
     staff_api: APIClient, make_task: Callable[..., Any], agent: Any
 ) -> None:
-    from board.deliveries import delivery_counts
+    from board.notifications.deliveries import delivery_counts
 
     failed_delivery(staff_api, make_task, agent)
     escalate(make_task, agent)

@@ -75,7 +75,7 @@ def _cached(digest: str) -> tuple[Any, Any] | None:
 
 def cached_user(digest: str) -> Any:
     """The active user of the token with this digest, if this process's cache still
-    vouches for it (no query); else None. For /mcp/ (board.mcp_http), as for the API."""
+    vouches for it (no query); else None. For /mcp/ (board.mcp.endpoint), as for the API."""
     cached = _cached(digest)
     return cached[0] if cached is not None else None
 
@@ -97,7 +97,7 @@ def generation() -> int:
 
 def forget(user_id: int | None) -> None:
     """Drop the cached lookups of ``user_id``'s token (None: every one): their credentials
-    changed (board.revocation)."""
+    changed (board.live.revocation)."""
     global _generation
     _generation += 1
     if user_id is None:

@@ -20,7 +20,7 @@ from board.exceptions import (
     RateLimited,
     TaskNotFound,
 )
-from board.middleware import database_unavailable, is_database_outage
+from board.http.middleware import database_unavailable, is_database_outage
 
 logger = logging.getLogger(__name__)
 

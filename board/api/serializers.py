@@ -10,7 +10,7 @@ from django.core.validators import RegexValidator
 from django.utils import timezone
 from rest_framework import serializers
 
-from board import conf, webhook_addresses
+from board import conf
 from board.models import (
     MAX_ATTEMPT_SECONDS,
     MAX_DEPENDENCIES,
@@ -24,6 +24,7 @@ from board.models import (
     Webhook,
     WebhookFormat,
 )
+from board.notifications import webhook_addresses
 
 # The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
 # ``re`` reads the same way) so that the OpenAPI document states exactly what is refused.

@@ -24,12 +24,13 @@ from rest_framework.utils.encoders import JSONEncoder as DRFJSONEncoder
 from rest_framework.utils.urls import replace_query_param
 
 from access import rates
-from board import metrics, transitions, waiting
 from board import queues as glance
+from board import transitions
 from board.access import QueueAccess, queue_access
 from board.api import serializers as s
 from board.api.permissions import IsStaff, MayTriage
 from board.exceptions import ReferencedTaskNotFound
+from board.live import waiting
 from board.models import (
     QUEUE_PATTERN,
     Delivery,
@@ -39,6 +40,7 @@ from board.models import (
     Webhook,
     WebhookKind,
 )
+from board.ops import metrics
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 IDEMPOTENCY_KEY_PATTERN = "^[!-~]{1,255}$"
@@ -378,7 +380,7 @@ class TaskViewSet(BoardViewSet):
             claim.task.lease_token = claim.lease_token
             tasks.append(claim.task)
         if not tasks and (report := waiting.empty_claim_report(request)) is not None:
-            # For board.waiting, which holds the request between attempts: when work next
+            # For board.live.waiting, which holds the request between attempts: when work next
             # becomes claimable without an event to announce it, and the queues this claim
             # takes from (fewer than its body named, for an agent limited to queues).
             at = Task.objects.next_claimable_at(queues)
@@ -704,7 +706,7 @@ ERRORS_404_WEBHOOK = {404: OpenApiResponse(s.ErrorSerializer, description="No su
 
 
 class WebhookViewSet(BoardViewSet):
-    # Staff tell humans about events: webhooks (board.deliveries sends them).
+    # Staff tell humans about events: webhooks (board.notifications.deliveries sends them).
 
     queryset = Webhook.objects.filter(kind=WebhookKind.WEBHOOK)
     serializer_class = s.WebhookSerializer

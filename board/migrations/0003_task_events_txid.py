@@ -4,7 +4,7 @@ Event ids come from a sequence, so a transaction can commit after a later id is 
 visible. A reader that follows ids would skip the late one. Readers instead follow
 (txid, id) and only read events whose transaction is older than every transaction still
 running (txid < pg_snapshot_xmin(pg_current_snapshot())): that prefix of the log can no
-longer change, so a cursor into it never skips or repeats an event. See board/relay.py.
+longer change, so a cursor into it never skips or repeats an event. See board/live/relay.py.
 """
 
 from django.db import migrations

@@ -1,7 +1,7 @@
 """Drop django-eventstream's tables, which nothing ever used (issue 11).
 
 The board's events live in ``task_events``; django-eventstream serves only its SSE encoder
-(board.relay), so it is no longer an installed app and its two tables, made by the
+(board.live.relay), so it is no longer an installed app and its two tables, made by the
 versions before this one, go, together with the record of its migrations (so that
 installing the app again, for its own storage, would make them afresh).
 """

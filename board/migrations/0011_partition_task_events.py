@@ -5,7 +5,7 @@ The log keeps every event, its id, the id sequence's position, and everything 00
 PostgreSQL onto each partition, so an UPDATE or DELETE aimed at a partition is refused
 too; TRUNCATE triggers are not cloned, so each partition gets its own), the NOTIFY and
 agent-counting statement triggers with their transition tables, the txid column and the
-(txid, id) index that board/sql/stream.sql and board/relay.py read, the per-task index and
+(txid, id) index that board/sql/stream.sql and board/live/relay.py read, the per-task index and
 the type check.
 
 Partitions are months of created_at in UTC, named task_events_YYYY_MM, plus a DEFAULT
@@ -15,7 +15,7 @@ makes a month's partition, moving that month's rows out of the default first; th
 migration makes one for every month that has events and for the next three, and
 board.transitions makes the current and next month's at most once per process per month,
 and every ``migrate`` the next three (board.apps), so the default stays empty in practice.
-Only task_events_drop_partition(), called by ``taskboard archive`` (board/archive.py),
+Only task_events_drop_partition(), called by ``taskboard archive`` (board/ops/archive.py),
 removes events, a whole verified month at a time.
 
 The rows are copied once, under the table's exclusive lock: a large log takes a while to

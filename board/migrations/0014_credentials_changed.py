@@ -1,8 +1,8 @@
 """A change of an account's credentials is announced at commit (NOTIFY credentials_changed,
-with the user's id), so that every server process acts on it at once (board.revocation):
+with the user's id), so that every server process acts on it at once (board.live.revocation):
 its token cache forgets the user, and its open streams are checked again. Without it a
 revoked token went on streaming until the next re-check, TASKBOARD_TOKEN_CACHE_SECONDS
-(streams held in Pushpin still wait for theirs: board.revocation).
+(streams held in Pushpin still wait for theirs: board.live.revocation).
 
 Triggers rather than signals, so that every writer is covered (the admin, create_agent,
 a queryset update, psql). A change is: a token rotated or deleted; a queue limit set,

@@ -2,8 +2,8 @@
 ``credential_changes``, so that a process whose relay was cut off from the database when
 a change was announced (a notification is sent only to the sessions listening at that
 moment) learns on reconnecting whose credentials changed meanwhile: it compares each
-user's count with the one it read when it last connected (board.relay), and closes those
-users' streams held in Pushpin at once (board.revocation) instead of leaving them to the
+user's count with the one it read when it last connected (board.live.relay), and closes those
+users' streams held in Pushpin at once (board.live.revocation) instead of leaving them to the
 periodic re-check.
 
 One row per user whose credentials ever changed, updated in the transaction that makes

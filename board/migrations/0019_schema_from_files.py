@@ -14,4 +14,4 @@ class Migration(migrations.Migration):
         ("auth", "0012_alter_user_first_name_max_length"),
     ]
 
-    operations = [ApplySchema("dd32f2def7ffe20e")]
+    operations = [ApplySchema("8ffa6aa68478e4fb")]

@@ -1,4 +1,4 @@
--- Reading the event log's monthly partitions for `taskboard archive` (board.archive). The
+-- Reading the event log's monthly partitions for `taskboard archive` (board.ops.archive). The
 -- partitions themselves are made and dropped by board.transitions (transitions.sql).
 
 -- name: event_partitions

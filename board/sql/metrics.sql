@@ -1,4 +1,4 @@
--- What GET /metrics reads at each scrape (board.metrics): counter rows and single index
+-- What GET /metrics reads at each scrape (board.ops.metrics): counter rows and single index
 -- steps, never a scan of tasks or task_events. The queues' counts come from queue_list
 -- (queues.sql), the one GET queues/ answers from.
 

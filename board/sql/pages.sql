@@ -1,4 +1,4 @@
--- The board pages' reads that the ORM cannot say (board.views).
+-- The board pages' reads that the ORM cannot say (board.pages.views).
 
 -- name: snapshot_unstable_events
 -- Events this snapshot sees past the stable prefix of the log, oldest first: committed by

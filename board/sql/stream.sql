@@ -1,4 +1,4 @@
--- Reading the event log in commit-safe order, for the relay and the SSE stream (board.relay).
+-- Reading the event log in commit-safe order, for the relay and the SSE stream (board.live.relay).
 --
 -- A cursor is (txid, id): the inserting transaction's id, then the event id. Readers only
 -- take events whose transaction is older than a horizon that every transaction still able
@@ -67,10 +67,10 @@ FROM snap, running, hidden;
 -- they take at most %(read_bytes)s bytes as PostgreSQL writes them (octet_length of a
 -- text does not detoast it); a larger one is NULL here and named in task_elided (its
 -- column) or payload_elided (its key). Every server process reads every event and keeps
--- the latest in memory (board.relay): a 1 MB description must not come with each
+-- the latest in memory (board.live.relay): a 1 MB description must not come with each
 -- heartbeat of its task. The relay checks what it sends against the stream's own limit;
 -- jsonb is read as its text, decoded only for an event that is sent. The task's columns
--- are the Task model's (board.relay._task_fields), each named here.
+-- are the Task model's (board.live.relay._task_fields), each named here.
 SELECT e.id AS event_id, e.type AS event_type, e.status AS event_status, e.actor,
        event.payload AS event_payload, event.elided AS payload_elided,
        e.created_at AS event_created_at,

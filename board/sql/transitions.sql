@@ -568,7 +568,7 @@ $$;
 -- events whose ids sum to %(id_sum)s (the archive file's), and drop it.
 SELECT task_events_drop_partition(%(month)s::timestamptz, %(count)s, %(id_sum)s) AS dropped;
 
--- Telling humans: webhooks and their deliveries (board.deliveries sends them). The
+-- Telling humans: webhooks and their deliveries (board.notifications.deliveries sends them). The
 -- deliveries themselves are made by the trigger of schema/deliveries.sql, in the statement that
 -- writes their event.
 
@@ -704,7 +704,7 @@ SELECT id, status FROM outcome;
 -- Re-arm failed deliveries (staff): due now, with a new horizon, and wake the dispatchers.
 -- Only those whose event is still in the log: one that `taskboard archive` took out has
 -- nothing left to send. Reading task_events waits for the lock that an archive holds from
--- its check for pending deliveries of a month to the drop of that month (board.archive),
+-- its check for pending deliveries of a month to the drop of that month (board.ops.archive),
 -- so a retry cannot make one pending in between: it re-arms before the check, which then
 -- sees it, or after the drop, when its event is gone.
 WITH rearmed AS (

@@ -60,7 +60,7 @@ def iso_time(value: datetime | str) -> str:
 @register.filter
 def blockers_for(task: Any, dependencies: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """Return what keeps ``task`` blocked: its dependencies that are not done, in the order
-    they were given, from ``dependencies`` (board.views.dependencies_of)."""
+    they were given, from ``dependencies`` (board.pages.views.dependencies_of)."""
     found = [dependencies.get(pk, {"id": pk, "hidden": True}) for pk in task.depends_on]
     return [dep for dep in found if dep.get("status") != "done"]
 
@@ -107,9 +107,9 @@ def progress_text(progress: Any) -> str | None:
 
 @register.filter(name="timeline")
 def timeline_filter(events: Any) -> list[Any]:
-    """Return a task's events (oldest first) as board.timeline entries: heartbeat runs
+    """Return a task's events (oldest first) as board.pages.timeline entries: heartbeat runs
     folded into one."""
-    from board.timeline import timeline
+    from board.pages.timeline import timeline
 
     return timeline(events)
 

@@ -3,7 +3,7 @@
 The server under test is ``taskboard serve --pushpin --workers 2``: Pushpin listens on the
 public port and passes every request to the two server processes, which answer a stream
 request at once with GRIP instructions; Pushpin then holds the stream, and one server
-process (the one whose relay holds the publisher's lock, board.grip) publishes each event
+process (the one whose relay holds the publisher's lock, board.live.grip) publishes each event
 to Pushpin, which writes it to every held stream.
 
 Helper processes (taskboard.benchmark.clients sse, one per CPU, each with its open-file

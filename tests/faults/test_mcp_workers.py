@@ -1,6 +1,6 @@
 """``/mcp/`` served by ``taskboard serve --workers 2`` (and behind Pushpin), driven by the
 official MCP SDK's client, every request on a new connection so that the kernel spreads
-them over both processes: each reaches the process holding its session (board.mcp_workers),
+them over both processes: each reaches the process holding its session (board.mcp.forwarding),
 every tool call succeeds, the leases a session holds are heartbeated past their
 lease_seconds, and a session whose process is killed (``kill -9``) answers 404, after which
 a new session works."""

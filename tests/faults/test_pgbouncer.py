@@ -199,11 +199,11 @@ def test_a_relay_through_pgbouncer_never_ends_the_server_connections_it_leaves(
     bouncer: str,
 ) -> None:
     """A relay that connects again ends its earlier sessions that the database still has
-    (board.relay, for a session dropped silently on the way). Through a pooler, the
+    (board.live.relay, for a session dropped silently on the way). Through a pooler, the
     server connection a relay's session ran on is lent on to other clients when it leaves:
     ending it would cut off someone else, or the relay's own new session. None is recorded
     there (the server's pid is not the one the connection announced)."""
-    from board.relay import Relay
+    from board.live.relay import Relay
 
     async def connect_twice() -> int | None:
         relay = Relay(psycopg.conninfo.make_conninfo(bouncer))

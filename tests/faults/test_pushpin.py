@@ -243,9 +243,9 @@ def children_running(server: ServeProcess, word: str) -> list[psutil.Process]:
 
 
 def publishing_process(server: ServeProcess) -> psutil.Process:
-    """The server process whose relay holds the publisher's advisory lock (board.grip), as
+    """The server process whose relay holds the publisher's advisory lock (board.live.grip), as
     its log says ("relay: leading (process N, ...)"), once the lock is held."""
-    from board.relay import LEADER_LOCK
+    from board.live.relay import LEADER_LOCK
 
     def held() -> bool:
         with connection.cursor() as cursor:

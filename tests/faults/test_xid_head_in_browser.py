@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from board.views import OPEN_COLUMN_LIMIT
+from board.pages.views import OPEN_COLUMN_LIMIT
 from tests.browser import card, count, requires_chromium, wait_until_live
 from tests.faults.conftest import FreshBoard
 
@@ -117,7 +117,7 @@ def test_the_board_past_ten_thousand_transactions_counts_and_draws_what_the_data
         agent.work(claims=4, completes=2)
         before, after = burn_past_the_next_power_of_ten(db)
         assert len(str(after)) > len(str(before))
-        # More than a column shows (board.views.OPEN_COLUMN_LIMIT): the page counts the
+        # More than a column shows (board.pages.views.OPEN_COLUMN_LIMIT): the page counts the
         # tasks it does not draw from the events alone.
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda n: agent.create(f"after {n}"), range(AFTER)))

@@ -1,6 +1,6 @@
 """``taskboard archive --before YYYY-MM-01 --to FILE [--force]``: move every event of the
 months before that date to FILE (JSON lines, gzip for ``.gz``), verified, then drop those
-months from the database (board.archive)."""
+months from the database (board.ops.archive)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from board import archive
+from board.ops import archive
 
 
 def first_of_month(value: str) -> date:

@@ -1,5 +1,5 @@
 -- Changes of an account's credentials, announced at commit (NOTIFY credentials_changed,
--- with the user's id) so that every server process acts on them at once (board.revocation):
+-- with the user's id) so that every server process acts on them at once (board.live.revocation):
 -- its token cache forgets the user, and its open streams are checked again. Triggers
 -- rather than signals, so that every writer is covered (the admin, create_agent, a
 -- queryset update, psql).
@@ -7,7 +7,7 @@
 
 -- Count one change of a user's credentials in credential_changes and announce it. The
 -- count lets a relay that was cut off from the database when a change was announced learn,
--- on reconnecting, whose credentials changed meanwhile (board.relay). A logout (announced
+-- on reconnecting, whose credentials changed meanwhile (board.live.relay). A logout (announced
 -- by the access app) goes through here too.
 CREATE OR REPLACE FUNCTION announce_credentials_changed(changed bigint) RETURNS void
 LANGUAGE sql AS $$

@@ -3,7 +3,7 @@
 
 -- For every statement that writes events, insert one delivery row per matching active
 -- webhook (or the email channel), then wake the server processes' dispatchers
--- (board.deliveries) with NOTIFY webhook_deliveries, delivered at commit. A board with no
+-- (board.notifications.deliveries) with NOTIFY webhook_deliveries, delivered at commit. A board with no
 -- active webhook pays one probe of a tiny table per statement. The task's queue is read as
 -- the statement left it (the trigger runs after the statement).
 CREATE OR REPLACE FUNCTION task_events_deliveries() RETURNS trigger

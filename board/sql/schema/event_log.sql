@@ -4,7 +4,7 @@
 -- so that an insert never fails for lack of a partition. board.transitions makes the
 -- current and next month's at most once per process per month, every `migrate` the next
 -- three (board.apps), and only task_events_drop_partition(), called by `taskboard archive`
--- (board/archive.py), removes events, a whole verified month at a time.
+-- (board/ops/archive.py), removes events, a whole verified month at a time.
 --
 -- Locks. Making, detaching or dropping a partition takes task_events' ACCESS EXCLUSIVE lock
 -- and, for the partitions' foreign key to tasks, a SHARE ROW EXCLUSIVE (make, detach) or

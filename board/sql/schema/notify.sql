@@ -1,4 +1,4 @@
--- Announcements of new events to the server processes' relays (board.relay).
+-- Announcements of new events to the server processes' relays (board.live.relay).
 
 
 -- Announce, once per statement that inserts events, the highest event id it wrote, on the

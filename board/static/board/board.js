@@ -1143,7 +1143,7 @@
   }
 
   /** A timeline entry: ``event``, or with ``run`` ({ids, firstAt}) the last heartbeat of a
-   * run shown as one ("12 heartbeats, 10:02–10:06"), as board/timeline.py draws it. */
+   * run shown as one ("12 heartbeats, 10:02–10:06"), as board/pages/timeline.py draws it. */
   function renderEvent(event, run = null) {
     const payload = event.payload || {};
     const dataset = { eventId: event.id, actor: event.actor };

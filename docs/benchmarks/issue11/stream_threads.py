@@ -13,7 +13,7 @@ SSE streams to each with the benchmark's helper (taskboard.benchmark.clients):
   request's thread (the failed-authentication throttle reads the client's address):
   without that, each open stream keeps one, and the fifth stream waits for the pool and
   gets 503 after its 30 s timeout.
-- ``taskboard serve --workers 1`` (the stream as it is: board.stream).
+- ``taskboard serve --workers 1`` (the stream as it is: board.live.stream).
 
 For each it prints the server process's threads and RSS before and with the streams open.
 
@@ -143,7 +143,9 @@ def main() -> None:
         "8432",
         "--no-migrate",
     ]
-    measure("taskboard serve (board.stream)", serve, {**env, "PYTHONPATH": str(ROOT)}, 8432, token)
+    measure(
+        "taskboard serve (board.live.stream)", serve, {**env, "PYTHONPATH": str(ROOT)}, 8432, token
+    )
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ class Command(BaseCommand):
                     proxies_in_front=bool(settings.FORWARDED_ALLOW_IPS),
                 )
                 edge.start().wait_ready()
-                # Streams are held in Pushpin, and events published to it (board.grip):
+                # Streams are held in Pushpin, and events published to it (board.live.grip):
                 # in this process, and in the workers started from it.
                 os.environ["GRIP_URL"] = settings.GRIP_URL = edge.grip_url
             except pushpin.PushpinUnavailable as exc:

@@ -17,8 +17,8 @@ from django.middleware import common
 from django.utils.http import escape_leading_slashes
 
 from board import conf
-from board.asgi_tools import read_body, replaying, send_response
-from board.errors import JSON_PATHS, bad_request, error_response
+from board.http.asgi_tools import read_body, replaying, send_response
+from board.http.errors import JSON_PATHS, bad_request, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,10 @@ def database_unavailable() -> JsonResponse:
 def disallowed_host(scope: dict[str, Any]) -> HttpResponse | None:
     """Return the 400 that Django answers for a Host outside ALLOWED_HOSTS, or None.
 
-    For the ASGI endpoints in front of Django (board.stream, board.waiting), which Django's
-    own check (HttpRequest.get_host) never sees. It is Django's logic, run on an ASGIRequest
-    made from the scope (X-Forwarded-Host, DEBUG's defaults and all), and Django's answer
-    (handler400), logged to the same logger.
+    For the ASGI endpoints in front of Django (board.live.stream, board.live.waiting), which
+    Django's own check (HttpRequest.get_host) never sees. It is Django's logic, run on an
+    ASGIRequest made from the scope (X-Forwarded-Host, DEBUG's defaults and all), and
+    Django's answer (handler400), logged to the same logger.
     """
     request = ASGIRequest(scope, io.BytesIO())
     try:

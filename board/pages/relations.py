@@ -1,7 +1,7 @@
 """A task's place in the work graph, as the pages show it: its parent, its children with
 their progress, what it depends on and what depends on it.
 
-The board's task page (board.views) and the escalated task's admin page
+The board's task page (board.pages.views) and the escalated task's admin page
 (escalations.admin) both show it. Each related task is a short summary, never its data;
 one of a queue the user may not see (board.access) is shown by id only, or left out.
 """

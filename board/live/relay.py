@@ -56,15 +56,15 @@ CHANNEL = "task_events"
 # A queue resumed (board.transitions.resume_queue): its name, for the claims waiting on it.
 QUEUE_CHANNEL = "task_queues"
 # Deliveries were made or re-armed (migration 0012, board.transitions.retry_deliveries):
-# wakes this process's dispatcher (board.deliveries).
+# wakes this process's dispatcher (board.notifications.deliveries).
 DELIVERY_CHANNEL = "webhook_deliveries"
-# An account's credentials changed (migration 0014): the user's id, for board.revocation.
+# An account's credentials changed (migration 0014): the user's id, for board.live.revocation.
 CREDENTIALS_CHANNEL = "credentials_changed"
 # A client address's first failed authentication of a throttle window (access.throttle):
 # the address, for the throttle's memory of addresses with no failures.
 AUTH_FAILURE_CHANNEL = "auth_failures"
 SSE_EVENT_TYPE = "task_event"
-# The advisory lock whose holder publishes the events to Pushpin (board.grip): any fixed
+# The advisory lock whose holder publishes the events to Pushpin (board.live.grip): any fixed
 # bigint, unlikely to be used elsewhere.
 LEADER_LOCK = 0x7461736B626F6172  # "taskboar"
 
@@ -407,7 +407,7 @@ class Relay:
         self._previous_sessions: set[tuple[int, datetime]] = set()
         self._task: asyncio.Task[None] | None = None
         self._pool: AsyncConnectionPool | None = None
-        # Behind Pushpin (board.grip), the relays of every server process compete for one
+        # Behind Pushpin (board.live.grip), the relays of every server process compete for one
         # advisory lock, taken on this LISTEN connection: its holder publishes the events.
         # A process that dies, or loses its connection, loses the lock with its session, and
         # the next relay to try takes it (within a second: see _listen). A session dropped
@@ -939,7 +939,7 @@ async def get_relay() -> Relay:
     relay = _relays.get(loop)
     if relay is None:
         conninfo = await sync_to_async(django_conninfo)()
-        # Behind Pushpin (GRIP_URL), every process's relay competes to publish (board.grip).
+        # Behind Pushpin (GRIP_URL), every process's relay competes to publish (board.live.grip).
         leader_key = LEADER_LOCK if settings.GRIP_URL else None
         relay = _relays.get(loop)
         if relay is None:
@@ -956,7 +956,7 @@ async def get_relay() -> Relay:
 
 
 def running_relays() -> list[Relay]:
-    """Return the relays of this process (one per event loop), for /metrics (board.metrics),
+    """Return the relays of this process (one per event loop), for /metrics (board.ops.metrics),
     which reads their cursor and state from a worker thread."""
     return list(_relays.values())
 

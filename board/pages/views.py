@@ -42,13 +42,13 @@ from board.access import QueueAccess, queue_access
 from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
-from board.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
+from board.pages.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
+from board.pages.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
+from board.pages.timeline import TimelineEntry, requested_page
 from board.queues import agent_list, queue_panel, queue_totals
-from board.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.sql import QUERIES
 from board.templatetags.board_extras import EVENT_TEXT_LIMIT, progress_text
-from board.timeline import TimelineEntry, requested_page
 from escalations.triage import TRIAGES, NoteForm, may_triage
 
 # The board shows every open task up to this many per column (a note counts the rest)...
@@ -479,8 +479,8 @@ def resume_queue(request: HttpRequest, name: str) -> HttpResponse:
 
 
 class PasswordResetView(auth_views.PasswordResetView):
-    """Django's password reset form, whose email is queued (board.deliveries sends it, at
-    least once, within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS a try) rather than sent in the
+    """Django's password reset form, whose email is queued (board.notifications.deliveries
+    sends it, at least once, within TASKBOARD_WEBHOOK_TIMEOUT_SECONDS a try) rather than sent in the
     request: an SMTP server that never answers holds no request, and the answer does the
     same work, in the same time, whether or not the address has an account. Routed only
     when EMAIL_URL is set (taskboard.urls); each POST counts against the client's address

@@ -8,7 +8,7 @@ as an ordinary, short request (authentication, validation, the claim statement):
 1. The claim is attempted at once. If it returns tasks, fails, or has no ``wait``, that is
    the answer.
 2. Otherwise the request waits in this process's :class:`WaitingRoom` until it is woken or
-   its time is up, then tries again. It is woken by the relay (board.relay), which reads
+   its time is up, then tries again. It is woken by the relay (board.live.relay), which reads
    every committed event after its NOTIFY: an event that leaves a task pending (created,
    released, failed, requeued, expired, unblocked) wakes the longest-waiting claim for that
    queue. A queue that is resumed (its own notification) wakes every claim waiting on it.
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from board import conf
-from board.asgi_tools import (
+from board.http.asgi_tools import (
     Message,
     Receive,
     Scope,
@@ -56,8 +56,8 @@ from board.asgi_tools import (
     send_response,
     until_disconnect,
 )
-from board.middleware import disallowed_host
-from board.relay import Relay, StreamEvent, get_relay
+from board.http.middleware import disallowed_host
+from board.live.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
 

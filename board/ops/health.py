@@ -30,7 +30,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 
-from board.errors import error_response
+from board.http.errors import error_response
 
 logger = logging.getLogger(__name__)
 

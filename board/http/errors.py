@@ -1,7 +1,7 @@
 """Error answers outside DRF: the contract's JSON error body, and Django's handlers for
 400, 403, 404 and 500, which answer it under the paths whose clients read JSON and an
 HTML page elsewhere. The API's own errors (board.api.errors) and the request-wide
-middleware (board.middleware) both build on it."""
+middleware (board.http.middleware) both build on it."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ connection: Django's handler keeps a worker thread for each request until its re
 ends, which for a stream is never. Authentication (a token, or the session cookie) is one
 short query in a shared worker thread, whose connection is closed straight after.
 
-The stream subscribes to this process's relay (board.relay) and writes what it hands
+The stream subscribes to this process's relay (board.live.relay) and writes what it hands
 over. A client that sends the id of the last event it received (``Last-Event-ID``, which
 EventSource sends by itself on reconnect, or ``?lastEventId=``) is first replayed what it
 missed, from the relay's memory or from ``task_events``, then continues live: in order,
@@ -15,7 +15,7 @@ live and replayed.
 
 Behind Pushpin (``GRIP_URL``), a request that Pushpin signed is answered at once instead,
 with the replay and GRIP instructions to hold the stream in Pushpin (:func:`hold`, and
-board.grip for the channels and the publishing): no server process keeps it open then.
+board.live.grip for the channels and the publishing): no server process keeps it open then.
 """
 
 from __future__ import annotations
@@ -41,25 +41,25 @@ from django.db import DatabaseError, connection
 from django.http import HttpResponse
 
 from access import throttle
-from board import grip
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.api import authentication
-from board.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
-from board.middleware import (
+from board.http.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
+from board.http.middleware import (
     database_unavailable,
     disallowed_host,
     error_response,
     is_database_outage,
 )
+from board.live import grip
+from board.live.relay import START, Cursor, Relay, StreamEvent, get_relay
 from board.models import QueueLimit
-from board.relay import START, Cursor, Relay, StreamEvent, get_relay
 from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PATH = "/api/v1/stream/"
-# Where Pushpin asks a held stream's next link (board.grip): only Pushpin's requests.
+# Where Pushpin asks a held stream's next link (board.live.grip): only Pushpin's requests.
 NEXT_PATH = PATH + "next/"
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 1000
@@ -205,7 +205,7 @@ _rechecking: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[N
 
 
 def open_stream_count() -> int:
-    """Return how many streams this process has open (for /metrics, board.metrics)."""
+    """Return how many streams this process has open (for /metrics, board.ops.metrics)."""
     return sum(len(streams) for streams in list(_open_streams.values()))
 
 
@@ -232,14 +232,14 @@ def close_stream(stream: OpenStream) -> None:
         task.cancel()  # nothing left to re-check; the next stream starts it again
 
 
-# Set when credentials changed (board.revocation): the open streams are re-checked now.
+# Set when credentials changed (board.live.revocation): the open streams are re-checked now.
 _recheck_wanted: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def recheck_now() -> None:
-    """Credentials changed (board.revocation): re-check this process's open streams now,
+    """Credentials changed (board.live.revocation): re-check this process's open streams now,
     and look held streams' credentials up again when Pushpin next asks."""
     _rechecked.clear()
     with contextlib.suppress(RuntimeError):  # no event loop: no open stream either
@@ -360,7 +360,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await send_response(send, error_response(400, "invalid", detail, fields=fields))
         return
     user, access = authorized
-    # Behind Pushpin, answer at once and let Pushpin hold the stream (board.grip).
+    # Behind Pushpin, answer at once and let Pushpin hold the stream (board.live.grip).
     held = scope["method"] == "GET" and proxied
     try:
         relay = await get_relay()
@@ -435,7 +435,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def next_link_query(scope: Scope) -> dict[str, str] | None:
-    """The parameters of a request of a held stream's ``next`` link (board.grip), its
+    """The parameters of a request of a held stream's ``next`` link (board.live.grip), its
     sealed credentials as ``auth`` (from the path, NEXT_PATH + sealed + "/"), or None for
     any other request."""
     path = scope["path"]
@@ -449,7 +449,7 @@ def next_link_query(scope: Scope) -> dict[str, str] | None:
 
 
 # What the stream asks the database (authentication, where a new stream starts, and the
-# re-checks of held streams' credentials, board.grip) runs on one thread, on a connection
+# re-checks of held streams' credentials, board.live.grip) runs on one thread, on a connection
 # kept open between calls: opening one per stream would cost more than the query, and a
 # burst of a thousand streams opening (or of Pushpin's next links) would open as many.
 # With the token cache, most calls make no query at all.
@@ -546,10 +546,10 @@ async def hold(
 ) -> None:
     """Answer a stream request from Pushpin: what the client missed after ``after`` (at
     most a page; Pushpin asks for the rest), then GRIP instructions to hold the stream on
-    the events published after the last one sent (board.grip).
+    the events published after the last one sent (board.live.grip).
 
     ``generation`` is authentication.generation() from before the credentials were
-    checked. If credentials changed since (anyone's), the close that board.revocation
+    checked. If credentials changed since (anyone's), the close that board.live.revocation
     published may have reached Pushpin before this answer subscribes the user's channel:
     the stream is not held then. A new stream ends after what it was sent, and its client
     resumes; a held one (its next link) is ended (204) and resumes. Either way the

@@ -43,7 +43,7 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from board import queues as board_queues
-from board.deliveries import delivery_counts
+from board.notifications.deliveries import delivery_counts
 from board.sql import QUERIES
 
 # Observed by the claim's view (board.api.views), which every claim comes through: the API,
@@ -82,7 +82,7 @@ def _relay_states() -> list[RelayState]:
     This runs in a worker thread while the relay runs on the event loop: it only reads
     the relay's cursor (one reference, replaced whole on each delivery) and its flag.
     """
-    from board.relay import running_relays
+    from board.live.relay import running_relays
 
     states = []
     for relay in running_relays():
@@ -98,7 +98,7 @@ def _relay_states() -> list[RelayState]:
 
 
 def _waiting_claims() -> int:
-    from board.relay import running_relays
+    from board.live.relay import running_relays
 
     total = 0
     for relay in running_relays():
@@ -109,7 +109,7 @@ def _waiting_claims() -> int:
 
 
 def _open_streams() -> int:
-    from board.stream import open_stream_count
+    from board.live.stream import open_stream_count
 
     return open_stream_count()
 
@@ -134,8 +134,8 @@ def snapshot() -> Snapshot:
 def webhook_delivery_families(counts: dict[str, int]) -> Iterable[Metric]:
     """Webhook and email deliveries by result: attempts delivered, retried (failed, to be
     tried again) and failed (given up after the horizon) as a counter, and the deliveries
-    waiting now as a gauge (board.deliveries.delivery_counts: a three-row table and the
-    partial index of pending deliveries)."""
+    waiting now as a gauge (board.notifications.deliveries.delivery_counts: a three-row table
+    and the partial index of pending deliveries)."""
     results = CounterMetricFamily(
         "taskboard_webhook_deliveries",
         "Webhook and email delivery attempts by result: delivered, retried (failed, tried "

@@ -4,7 +4,7 @@ The transport and its sessions are the official SDK's (``StreamableHTTPSessionMa
 what is here is what the board adds around it:
 
 - **Authentication.** Every request needs the API's ``Authorization: Bearer <token>``
-  (checked as the stream checks it: board.stream.authorize, failures throttled per
+  (checked as the stream checks it: board.live.stream.authorize, failures throttled per
   address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
   token that opened it: the SDK answers ``404`` to a request for it with another token,
   and such a request moves nothing here. Requests of the sessionless protocol version
@@ -26,7 +26,7 @@ what is here is what the board adds around it:
 - **A token's sessions share its claims.** A tool call on a task that another session of
   the same token holds, or ended with while its lease lasts (a client that opens a new
   session for every call), takes the claim over (:meth:`Sessions.take_over`, in another
-  process of this server through board.mcp_workers); the session it came from then
+  process of this server through board.mcp.forwarding); the session it came from then
   answers ``lease_lost`` saying so.
 
 The SDK keeps no hook for a session's end that a tool can reach, so :class:`Sessions`
@@ -36,7 +36,7 @@ has forgotten the session (and answers ``404``) before its leases are let go.
 
 Sessions live in the process that opened them. Behind several servers, a session's
 requests must reach the same one (README, "Deploying at scale"); between the processes of
-one ``serve --workers N``, whose connections reach them at random, board.mcp_workers passes
+one ``serve --workers N``, whose connections reach them at random, board.mcp.forwarding passes
 each request to the process that holds its session.
 
 Nothing here or in the tools that may wait for the board runs on the event loop: the
@@ -75,12 +75,13 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from access import throttle
 from access.tokens import digest as tokens_digest
-from board import conf, mcp_workers
+from board import conf
 from board.api.authentication import cached_user
-from board.asgi_tools import read_body, send_response
-from board.errors import error_response
-from board.middleware import disallowed_host
-from board.stream import authorize
+from board.http.asgi_tools import read_body, send_response
+from board.http.errors import error_response
+from board.http.middleware import disallowed_host
+from board.live.stream import authorize
+from board.mcp import forwarding
 from taskboard.client import ClaimedTask, Client
 from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server
 
@@ -184,7 +185,7 @@ class Sessions:
     """
 
     def __init__(
-        self, app: Any, idle_seconds: float, router: mcp_workers.Router | None = None
+        self, app: Any, idle_seconds: float, router: forwarding.Router | None = None
     ) -> None:
         self.app = app
         self.idle_seconds = idle_seconds
@@ -387,9 +388,9 @@ class MCPApplication:
     """The ASGI application at ``/mcp/``: authentication, then the SDK's transport."""
 
     def __init__(self, app: Any) -> None:
-        # Set when this is one of several processes of a `serve` (board.mcp_workers).
+        # Set when this is one of several processes of a `serve` (board.mcp.forwarding).
         self.router = (
-            mcp_workers.Router(Path(settings.TASKBOARD_SERVE_SOCKETS))
+            forwarding.Router(Path(settings.TASKBOARD_SERVE_SOCKETS))
             if settings.TASKBOARD_SERVE_SOCKETS
             else None
         )
@@ -513,7 +514,7 @@ class MCPApplication:
         )
 
     async def route(
-        self, router: mcp_workers.Router, scope: Scope, receive: Any, send: Any
+        self, router: forwarding.Router, scope: Scope, receive: Any, send: Any
     ) -> tuple[Scope, Any] | None:
         """Under ``serve --workers N``: pass a request for another process's session to
         it (None: answered), or return the scope and send with which to serve it here (the
@@ -528,11 +529,11 @@ class MCPApplication:
                 others = [(n, v) for n, v in scope["headers"] if n.lower() != header]
                 scope = dict(scope, headers=[*others, (header, inner.encode("latin-1"))])
                 return scope, renamed
-            if tag is None or scope.get(mcp_workers.FORWARDED_KEY):
+            if tag is None or scope.get(forwarding.FORWARDED_KEY):
                 break  # no process of this server handed it out: the SDK's 404
             try:
                 await router.forward(tag, scope, receive, send)
-            except mcp_workers.Gone:
+            except forwarding.Gone:
                 # The process that held the session is gone, and the session with it.
                 # Answered as any request for an unknown session: authenticated first.
                 named = {
@@ -540,7 +541,7 @@ class MCPApplication:
                 }
                 if await self.authenticate(scope, named, send) is not None:
                     await self.not_found(send)
-            except mcp_workers.Interrupted:
+            except forwarding.Interrupted:
                 await _jsonrpc_error(
                     send,
                     503,
@@ -601,7 +602,7 @@ class MCPApplication:
             presented = keyword.lower() in {"bearer", "token"} and bool(token)
             await _unauthorized(send, refused=presented)
             return None
-        # DRF's token authentication (board.stream.authorize) has cached the lookup.
+        # DRF's token authentication (board.live.stream.authorize) has cached the lookup.
         return principal, token
 
 
@@ -689,16 +690,16 @@ async def serving(app: Any) -> AsyncIterator[None]:
 
 
 async def private_application(scope: Scope, receive: Any, send: Any) -> None:
-    """The ASGI application on this process's private socket (board.mcp_workers): the
+    """The ASGI application on this process's private socket (board.mcp.forwarding): the
     requests for its sessions that other processes of this server pass on, and nothing
     else."""
-    if scope["type"] == "http" and scope["path"] == mcp_workers.TAKE_PATH:
+    if scope["type"] == "http" and scope["path"] == forwarding.TAKE_PATH:
         await _hand_over(scope, receive, send)
         return
     if scope["type"] != "http" or scope["path"] not in PATHS:
         await send_response(send, error_response(404, "not_found", "Only /mcp/ is served here."))
         return
-    await application(mcp_workers.forwarded_scope(scope), receive, send)
+    await application(forwarding.forwarded_scope(scope), receive, send)
 
 
 async def _hand_over(scope: Scope, receive: Any, send: Any) -> None:
@@ -716,7 +717,7 @@ async def _hand_over(scope: Scope, receive: Any, send: Any) -> None:
     if task is None:
         await send_response(send, error_response(404, "not_found", "No such claim here."))
         return
-    await send_response(send, JsonResponse(mcp_workers.claim_to_json(task)))
+    await send_response(send, JsonResponse(forwarding.claim_to_json(task)))
 
 
 async def application(scope: Scope, receive: Any, send: Any) -> None:

@@ -4,13 +4,13 @@ server process at a time.
 Behind Pushpin (``taskboard serve --pushpin``, or ``GRIP_URL`` naming a Pushpin you run),
 a stream request reaches a server process signed by Pushpin (``Grip-Sig``). The process
 answers at once, with what the client missed (replayed from the relay's memory or
-``task_events``) and GRIP instructions (board.stream): hold the response open on the
+``task_events``) and GRIP instructions (board.live.stream): hold the response open on the
 ``events`` channel, the id of the last event sent as ``prev-id``. Pushpin then keeps the
 connection, and no server process holds it: a process can die or restart without a single
 stream ending.
 
 The events are published by one relay at a time (:class:`Publisher`): the relays of all
-processes compete for an advisory lock on their LISTEN connection (board.relay), and the
+processes compete for an advisory lock on their LISTEN connection (board.live.relay), and the
 holder POSTs each event to Pushpin's publish endpoint with its id and the id of the event
 before it (``prev-id``), in the log's commit-safe order, which every relay reads alike.
 Pushpin's reliable delivery does the rest: a connection whose last event is not the
@@ -21,7 +21,7 @@ id in ``Grip-Last``, and the process that answers replays what is missing. So a 
 change, a server process killed or Pushpin restarted (every client then resumes with
 Last-Event-ID) never loses or repeats an event.
 
-A change of a user's credentials (board.revocation) closes the user's held streams at
+A change of a user's credentials (board.live.revocation) closes the user's held streams at
 once, by a close published on the user's channel (:func:`close_streams_of`): each client
 resumes, and is refused or streams under its new queue limit. As a backstop, the ``next``
 link is requested every :func:`recheck_seconds`, so that a held stream's credentials are
@@ -57,7 +57,7 @@ from django.conf import settings
 from gripcontrol import Channel, create_grip_channel_header, parse_grip_uri, validate_sig
 
 from board.access import QueueAccess
-from board.relay import Relay, StreamEvent
+from board.live.relay import Relay, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def _cipher() -> AESSIV:
 
 
 def seal(credentials: tuple[str, str], user_id: int) -> str:
-    """Encrypt a stream's credentials (board.stream.Credentials: a token's digest, or a
+    """Encrypt a stream's credentials (board.live.stream.Credentials: a token's digest, or a
     session key) and its user's id for its ``next`` link: Pushpin asks that link without
     the client's headers, and logs its URL, so the link carries them, unreadable and
     unforgeable. The user's id names the stream's user channel when it is held again.
@@ -306,7 +306,7 @@ class Publisher:
         self.pending.put_nowait(items)
 
     def close_streams_of(self, user_id: int) -> None:
-        """End the user's held streams: their credentials changed (board.revocation).
+        """End the user's held streams: their credentials changed (board.live.revocation).
         Each client reconnects and resumes after its last event: refused (401) if revoked,
         under its new queue limit if that changed.
 
@@ -439,7 +439,7 @@ def start_publisher() -> None:
 
 
 async def _start() -> None:
-    from board.relay import get_relay
+    from board.live.relay import get_relay
 
     grip = config()
     assert grip is not None

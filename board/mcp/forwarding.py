@@ -1,7 +1,7 @@
 """``/mcp/`` under ``taskboard serve --workers N``: each request for an MCP session reaches
 the process that holds the session.
 
-An MCP session lives in the memory of the process that opened it (board.mcp_http: the
+An MCP session lives in the memory of the process that opened it (board.mcp.endpoint: the
 SDK's transport, and the heartbeats of the leases it holds), but the N processes of one
 ``serve`` share one listening port, so the kernel hands each new connection to any of
 them, and a session's next request (a new connection, or Pushpin's) may reach another.
@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from board.asgi_tools import closing, until_disconnect
+from board.http.asgi_tools import closing, until_disconnect
 from taskboard.client import ClaimedTask, Task
 
 logger = logging.getLogger(__name__)

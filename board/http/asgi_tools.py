@@ -1,5 +1,5 @@
-"""The few ASGI pieces shared by what runs in front of Django (board.middleware's body
-limit, board.stream, board.waiting): reading and replaying a request body, sending a
+"""The few ASGI pieces shared by what runs in front of Django (board.http.middleware's body
+limit, board.live.stream, board.live.waiting): reading and replaying a request body, sending a
 Django response, noticing a client that hung up, and noticing a server shutting down."""
 
 from __future__ import annotations

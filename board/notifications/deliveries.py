@@ -56,7 +56,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
-from board import transitions, webhook_addresses
+from board import transitions
 from board.models import (
     Delivery,
     DeliveryResult,
@@ -68,8 +68,9 @@ from board.models import (
     WebhookFormat,
     WebhookKind,
 )
+from board.notifications import webhook_addresses
+from board.notifications.webhook_addresses import AddressRefused
 from board.sql import QUERIES
-from board.webhook_addresses import AddressRefused
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -468,7 +469,7 @@ class Dispatcher:
     async def _listen(self) -> None:
         """Have the relay wake this dispatcher (it starts the relay, retrying while the
         database is away)."""
-        from board.relay import get_relay
+        from board.live.relay import get_relay
 
         while True:
             try:
