@@ -1,8 +1,9 @@
-"""Threads and memory of 1,000 open streams: Django's ASGI handler against ``serve`` (issue 11).
+"""Threads and memory of 1,000 open streams: Django's ASGI handler against ``serve``.
 
-Issue 11 asks for the stream as an async view under Django's ASGI handler. This starts, on
-the database at DATABASE_URL (migrated), two servers one after the other and opens 1,000
-SSE streams to each with the benchmark's helper (taskboard.benchmark.clients):
+What the stream would cost as an async view under Django's ASGI handler (decision 0006).
+This starts, on the database at DATABASE_URL (migrated), two servers one after the other
+and opens 1,000 SSE streams to each with the benchmark's helper
+(taskboard.benchmark.clients):
 
 - Django's handler (``get_asgi_application()`` under uvicorn, the project's settings and
   middleware, Django's psycopg pool of at most 4 connections, ``CONN_MAX_AGE`` 0) serving
@@ -17,7 +18,7 @@ SSE streams to each with the benchmark's helper (taskboard.benchmark.clients):
 
 For each it prints the server process's threads and RSS before and with the streams open.
 
-    DATABASE_URL=postgresql://... python docs/benchmarks/issue11/stream_threads.py
+    DATABASE_URL=postgresql://... python benchmarks/stream_threads.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One NOTIFY per statement against one per row (issue 11): a synthetic measurement.
+"""One NOTIFY per statement against one per row: a synthetic measurement.
 
 100-row INSERT statements into two event tables, one with the old per-row NOTIFY trigger
 (a distinct payload per row, as board/migrations/0002 had it) and one with the statement
@@ -6,7 +6,7 @@ trigger of board/migrations/0009, with a LISTEN session present; 200 statements 
 round, six rounds, alternating. Run it with any Python that has psycopg, against a
 PostgreSQL where it may create and drop a database ``notify_bench``:
 
-    .venv/bin/python docs/benchmarks/issue11/notify_per_statement.py [postgresql://...]
+    .venv/bin/python benchmarks/notify_per_statement.py [postgresql://...]
 
 It prints the time per 100-row statement of each and the notifications the listener heard.
 """
