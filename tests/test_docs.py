@@ -190,6 +190,8 @@ class Reader:
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reader]:
+    if subprocess.run(["sh", "-c", "command -v jq"], capture_output=True).returncode:
+        pytest.skip("the tutorials use jq (Debian's jq package), which is not installed")
     directory = tmp_path_factory.mktemp("checkout")
     (directory / ".venv").symlink_to(sys.prefix)
     (directory / "home").mkdir()
@@ -233,12 +235,6 @@ def tasks_titled(api: httpx.Client, title: str) -> list[dict[str, Any]]:
     return [task for task in tasks if task["title"] == title]
 
 
-@pytest.fixture(scope="module")
-def jq() -> None:
-    if subprocess.run(["sh", "-c", "command -v jq"], capture_output=True).returncode:
-        pytest.skip("the tutorials use jq (Debian's jq package), which is not installed")
-
-
 def test_every_tutorial_is_run_and_every_directive_is_understood() -> None:
     pages = {path.name for path in (DOCS / "tutorials").glob("*.md")} - {"index.md"}
     assert set(TUTORIALS) == pages
@@ -250,7 +246,7 @@ def test_every_tutorial_is_run_and_every_directive_is_understood() -> None:
                 assert DIRECTIVE.fullmatch(block.directive), f"{block.where}: {block.directive}"
 
 
-def test_run_the_board_serves_from_the_current_directory(reader: Reader, jq: None) -> None:
+def test_run_the_board_serves_from_the_current_directory(reader: Reader) -> None:
     printed = reader.run("run-the-board.md")
 
     assert (reader.directory / ".taskboard" / "pgdata").is_dir()
