@@ -95,7 +95,10 @@ def help_text(command: str) -> str:
             env=env,
             capture_output=True,
             text=True,
-            check=True,
+        )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"taskboard {command} --help failed (is it still a command?):\n{done.stderr}"
         )
     return MACHINE_SPECIFIC.sub("", done.stdout)
 

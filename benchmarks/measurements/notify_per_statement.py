@@ -6,7 +6,7 @@ trigger of board/migrations/0009, with a LISTEN session present; 200 statements 
 round, six rounds, alternating. Run it with any Python that has psycopg, against a
 PostgreSQL where it may create and drop a database ``notify_bench``:
 
-    .venv/bin/python benchmarks/notify_per_statement.py [postgresql://...]
+    .venv/bin/python benchmarks/measurements/notify_per_statement.py [postgresql://...]
 
 It prints the time per 100-row statement of each and the notifications the listener heard.
 """

@@ -6,7 +6,7 @@ four threads, and read the server process's CPU time (user + system) over them. 
 unlike requests per second, hardly depends on what else the machine runs, so two
 checkouts measured one after the other on a busy machine still compare.
 
-    python benchmarks/handler_cpu.py CHECKOUT PORT [CYCLES]
+    python benchmarks/measurements/handler_cpu.py CHECKOUT PORT [CYCLES]
 
 CHECKOUT must have been migrated (``.venv/bin/python manage.py migrate``). Prints one JSON
 line: requests, server CPU ms per request, wall seconds, the server's threads and RSS.

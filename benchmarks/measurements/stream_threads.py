@@ -18,7 +18,7 @@ and opens 1,000 SSE streams to each with the benchmark's helper
 
 For each it prints the server process's threads and RSS before and with the streams open.
 
-    DATABASE_URL=postgresql://... python benchmarks/stream_threads.py
+    DATABASE_URL=postgresql://... python benchmarks/measurements/stream_threads.py
 """
 
 from __future__ import annotations
