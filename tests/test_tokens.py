@@ -653,7 +653,7 @@ def test_the_python_client_raises_throttled_with_the_wait(
         with pytest.raises(Throttled) as refused:
             board.claim()
         with pytest.raises(Throttled):
-            next(board.live.stream())
+            next(board.stream())
 
     assert refused.value.status == 429 and refused.value.code == "throttled"
     assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
