@@ -1,5 +1,10 @@
 """``/mcp/``: the board's MCP tools (taskboard_agent.mcp_server) over Streamable HTTP.
 
+The tools, and the HTTP client they call the API with, are the agent's package's (the
+server's distribution depends on taskboard-agent), so that both transports serve the same
+tools; this module and board.mcp.forwarding are the only parts of the server that import
+that package.
+
 The transport and its sessions are the official SDK's (``StreamableHTTPSessionManager``);
 what is here is what the board adds around it:
 
