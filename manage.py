@@ -7,7 +7,7 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
-    from taskboard.cli import server_command
+    from taskboard.commands import server_command
 
     server_command(sys.argv, prog="python manage.py")
 

@@ -53,7 +53,7 @@ def tests_database_url() -> str:
     """Return a DATABASE_URL for the database Django is connected to (the test database)."""
     from django.db import connection
 
-    from taskboard.benchmark.harness import ServerParams
+    from benchmarks.harness import ServerParams
 
     return ServerParams.from_django().url(connection.settings_dict["NAME"])
 
@@ -93,7 +93,7 @@ class WorkerProcess:
         self.log = log
         with log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "taskboard.cli", "work", *options, "--", *command],
+                [sys.executable, "-m", "taskboard_agent.cli", "work", *options, "--", *command],
                 cwd=ROOT,
                 env=cli_env(server, token),
                 stdout=out,
@@ -159,7 +159,7 @@ class ServeProcess:
         environment.update(LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **env)
         if "DATABASE_URL" not in env:
             environment.pop("DATABASE_URL", None)  # the embedded database, in env's data dir
-        command = [sys.executable, "-m", "taskboard.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "taskboard_agent.cli", "serve", "--port", str(self.port)]
         if not migrate:
             command.append("--no-migrate")
         with contextlib.ExitStack() as files:
@@ -317,11 +317,11 @@ class EmbeddedCluster:
 
 class StreamFollower:
     """Follow ``GET /api/v1/stream/`` in a thread with the agent's client
-    (``taskboard.client.Client.stream``, which reconnects with ``Last-Event-ID``), and keep
+    (``taskboard_agent.client.Client.stream``, which reconnects with ``Last-Event-ID``), and keep
     the ids of the events received, in order."""
 
     def __init__(self, url: str, token: str, last_event_id: int | None = None) -> None:
-        from taskboard.client import Client
+        from taskboard_agent.client import Client
 
         self.client = Client(url, token, retries=10, max_backoff=2.0)
         self.last_event_id = last_event_id

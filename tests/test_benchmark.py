@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from taskboard.benchmark import blocked, fanout_pushpin, queues
-from taskboard.benchmark.harness import (
+from benchmarks import blocked, fanout_pushpin, queues
+from benchmarks.harness import (
     STATUS_COUNTS,
     Database,
     Figure,
@@ -207,7 +207,7 @@ def test_a_stream_that_fails_to_open_is_opened_again_and_reported() -> None:
     import socket
     import threading
 
-    from taskboard.benchmark.harness import Helper
+    from benchmarks.harness import Helper
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

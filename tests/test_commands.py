@@ -226,7 +226,7 @@ def taskboard(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     environment.update({"DATABASE_URL": tests_database_url(), **env})
     return subprocess.run(
-        [sys.executable, "-m", "taskboard.cli", *args],
+        [sys.executable, "-m", "taskboard_agent.cli", *args],
         cwd=ROOT,
         env=environment,
         capture_output=True,
@@ -314,6 +314,28 @@ def test_help_names_every_command_it_lists_mcp_included() -> None:
         assert "usage:" in done.stdout.lower(), (command, done.stdout)
 
 
+def test_the_benchmark_and_the_soak_run_from_the_checkout_by_either_name() -> None:
+    """``taskboard benchmark`` and ``soak`` find benchmarks/ next to the package (an editable
+    install); ``python -m benchmarks [soak]`` runs the same commands."""
+    from tests.processes import ROOT
+
+    for command, module_args, option in (
+        ("benchmark", [], "--quick"),
+        ("soak", ["soak"], "--minutes"),
+    ):
+        by_name = taskboard(command, "--help")
+        by_module = subprocess.run(
+            [sys.executable, "-m", "benchmarks", *module_args, "--help"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for done in (by_name, by_module):
+            assert done.returncode == 0, done.stderr
+            assert option in done.stdout
+
+
 # -- A server command where there is no database, or none migrated -----------------------
 
 
@@ -332,7 +354,7 @@ def taskboard_in(
     }
     environment.update({"XDG_RUNTIME_DIR": str(runtime), **(env or {})})
     return subprocess.run(
-        [sys.executable, "-m", "taskboard.cli", *args],
+        [sys.executable, "-m", "taskboard_agent.cli", *args],
         cwd=directory,
         env=environment,
         capture_output=True,
@@ -374,7 +396,7 @@ def unmigrated_database() -> Iterator[str]:
     import psycopg
     from django.db import connection
 
-    from taskboard.benchmark.harness import ServerParams
+    from benchmarks.harness import ServerParams
 
     name = f"{connection.settings_dict['NAME']}_unmigrated"
     params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}

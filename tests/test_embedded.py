@@ -80,7 +80,7 @@ def test_a_server_command_run_elsewhere_uses_the_database_serve_runs_on(tmp_path
 
     def create_agent() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "taskboard.cli", "create_agent", "my-agent"],
+            [sys.executable, "-m", "taskboard_agent.cli", "create_agent", "my-agent"],
             cwd=elsewhere,
             env=environment,
             capture_output=True,

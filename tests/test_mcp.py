@@ -85,7 +85,7 @@ async def mcp_session(
     with tempfile.TemporaryDirectory(prefix="tb-mcp-state-") as own:
         params = StdioServerParameters(
             command=sys.executable,
-            args=["-m", "taskboard.cli", "mcp"],
+            args=["-m", "taskboard_agent.cli", "mcp"],
             env={**cli_env(server, token), "XDG_STATE_HOME": str(state or own)},
             cwd=ROOT,
         )

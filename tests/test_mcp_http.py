@@ -416,8 +416,8 @@ def test_a_claim_that_arrives_after_its_session_ended_is_released_without_a_stri
 ) -> None:
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from taskboard.client import Client
-    from taskboard.mcp_server import Session
+    from taskboard_agent.client import Client
+    from taskboard_agent.mcp_server import Session
 
     alice = token_of("alice")
     with Client(server.url, alice) as client:

@@ -642,7 +642,7 @@ def test_the_stream_lets_a_valid_token_in_and_counts_nothing(
 def test_the_python_client_raises_throttled_with_the_wait(
     server: LiveServer, agent: Any, settings: Any
 ) -> None:
-    from taskboard.client import AuthenticationError, Client, Throttled
+    from taskboard_agent.client import AuthenticationError, Client, Throttled
 
     settings.TASKBOARD_AUTH_FAILURE_LIMIT = 1
     token = str(TokenFactory(user=agent).key)

@@ -81,7 +81,7 @@ def measure() -> None:
             for name in times:
                 started = time.perf_counter()
                 for _statement in range(STATEMENTS):
-                    conn.execute(insert.format(name, ROWS))  # type: ignore[arg-type]
+                    conn.execute(insert.format(name, ROWS))
                 times[name].append((time.perf_counter() - started) / STATEMENTS * 1000)
                 time.sleep(0.5)
     stop.set()

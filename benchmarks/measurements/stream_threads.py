@@ -3,7 +3,7 @@
 What the stream would cost as an async view under Django's ASGI handler (decision 0006).
 This starts, on the database at DATABASE_URL (migrated), two servers one after the other
 and opens 1,000 SSE streams to each with the benchmark's helper
-(taskboard.benchmark.clients):
+(benchmarks.clients):
 
 - Django's handler (``get_asgi_application()`` under uvicorn, the project's settings and
   middleware, Django's psycopg pool of at most 4 connections, ``CONN_MAX_AGE`` 0) serving
@@ -31,10 +31,10 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from taskboard.benchmark.harness import Helper  # noqa: E402
+from benchmarks.harness import Helper  # noqa: E402
 
 STREAMS = 1000
 
@@ -136,7 +136,7 @@ def main() -> None:
     serve = [
         sys.executable,
         "-m",
-        "taskboard.cli",
+        "taskboard.commands",
         "serve",
         "--workers",
         "1",

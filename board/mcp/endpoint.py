@@ -1,4 +1,9 @@
-"""``/mcp/``: the board's MCP tools (taskboard.mcp_server) over Streamable HTTP.
+"""``/mcp/``: the board's MCP tools (taskboard_agent.mcp_server) over Streamable HTTP.
+
+The tools, and the HTTP client they call the API with, are the agent's package's (the
+server's distribution depends on taskboard-agent), so that both transports serve the same
+tools; this module and board.mcp.forwarding are the only parts of the server that import
+that package.
 
 The transport and its sessions are the official SDK's (``StreamableHTTPSessionManager``);
 what is here is what the board adds around it:
@@ -11,12 +16,12 @@ what is here is what the board adds around it:
   (2026-07-28), which the SDK serves without looking at sessions and which could not keep
   a lease from one call to the next, are refused (``400``).
 - **The tools call this process's own API, in process.** Each session has a
-  :class:`~taskboard.client.Client` with its token whose transport hands the request to
+  :class:`~taskboard_agent.client.Client` with its token whose transport hands the request to
   this server's HTTP application on its event loop (:class:`InProcess`), so the tools
   answer with exactly the API's validation and error codes, and use the API's worker
   threads and database connections, as stdio's ``taskboard mcp`` does over the network.
 - **Leases live while the session's client is there.** A session's claims are heartbeated
-  by :class:`~taskboard.mcp_server.Session` while the session has a request in flight or
+  by :class:`~taskboard_agent.mcp_server.Session` while the session has a request in flight or
   an open stream (the SDK's client keeps one open while it lives); AWAY_AFTER seconds
   without either pause the heartbeats until its next request, so that a killed client's
   tasks run out within their lease, not the session's idle time. The heartbeats stop for
@@ -40,7 +45,7 @@ one ``serve --workers N``, whose connections reach them at random, board.mcp.for
 each request to the process that holds its session.
 
 Nothing here or in the tools that may wait for the board runs on the event loop: the
-board's answers to the tools come from that very loop (taskboard.mcp_server._call).
+board's answers to the tools come from that very loop (taskboard_agent.mcp_server._call).
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ from board.http.errors import error_response
 from board.http.middleware import disallowed_host
 from board.live.stream import authorize
 from board.mcp import forwarding
-from taskboard.client import ClaimedTask, Client
-from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server
+from taskboard_agent.client import ClaimedTask, Client
+from taskboard_agent.mcp_server import TOOL_CALL_LIMITS, Session, build_server
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +127,7 @@ class InProcess(httpx.BaseTransport):
     """An httpx transport that sends each request to an ASGI application running on
     ``loop`` (this server's own), from the thread that makes the request.
 
-    For the MCP tools' :class:`~taskboard.client.Client`: a blocking client, called from
+    For the MCP tools' :class:`~taskboard_agent.client.Client`: a blocking client, called from
     worker threads and heartbeat threads, whose requests go through the same application
     (body limit, waiting claims, Django) as requests from the network.
     """

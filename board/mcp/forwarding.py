@@ -48,7 +48,7 @@ import httpx
 import uvicorn
 
 from board.http.asgi_tools import closing, until_disconnect
-from taskboard.client import ClaimedTask, Task
+from taskboard_agent.client import ClaimedTask, Task
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,9 @@ INTRO = """\
   embedded one in `TASKBOARD_DATA_DIR` (`.taskboard/` in the current directory), or
   else the one a running `taskboard serve` uses, or `DATABASE_URL`. On a database not
   migrated yet they say to run `taskboard migrate`; where there is no database at all,
-  only `serve`, `migrate`, `benchmark` and `soak` make one.
+  only `serve`, `migrate`, `benchmark` and `soak` make one. The server's install adds them
+  to the agent's `taskboard` (the `taskboard.commands` entry-point group). `benchmark`
+  and `soak` run the repository's `benchmarks/`, from a checkout only.
 
 `taskboard help COMMAND` is `taskboard COMMAND --help`.
 """
@@ -90,7 +92,7 @@ def help_text(command: str) -> str:
         # The settings keep a secret key in the data directory: not in the caller's.
         env.update(COLUMNS="1000", TASKBOARD_DATA_DIR=scratch)
         done = subprocess.run(
-            [sys.executable, "-m", "taskboard.cli", command, "--help"],
+            [sys.executable, "-m", "taskboard_agent.cli", command, "--help"],
             cwd=scratch,
             env=env,
             capture_output=True,

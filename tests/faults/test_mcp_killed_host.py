@@ -59,7 +59,7 @@ async def main():
     else:
         # As a host configured with the README's JSON: TASKBOARD_URL, TASKBOARD_TOKEN.
         params = StdioServerParameters(
-            command=sys.executable, args=["-m", "taskboard.cli", "mcp"], env=dict(os.environ)
+            command=sys.executable, args=["-m", "taskboard_agent.cli", "mcp"], env=dict(os.environ)
         )
         async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
             await work(session)

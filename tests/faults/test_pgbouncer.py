@@ -26,9 +26,9 @@ import psycopg
 import pytest
 from django.db import connection
 
+from benchmarks.harness import ServerParams
 from board.models import Task, TaskEvent
-from taskboard.benchmark.harness import ServerParams
-from taskboard.client import Client
+from taskboard_agent.client import Client
 from tests.processes import ServeProcess, StreamFollower, eventually, free_port
 from tests.processes import tests_database_url as direct_database_url
 

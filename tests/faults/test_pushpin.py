@@ -25,7 +25,7 @@ from django.db import connection
 
 from board import transitions
 from board.models import Task
-from taskboard.client import SSEParser
+from taskboard_agent.client import SSEParser
 from tests import processes
 from tests.factories import UserFactory
 from tests.processes import ServeProcess, eventually, free_port
@@ -97,7 +97,7 @@ class Client:
                 if name.strip().lower() == "transfer-encoding":
                     chunked = "chunked" in value.lower()
             # The body is decoded (its chunks may end anywhere, also inside a line), then
-            # read by taskboard.client's parser (the EventSource rules: an event counts at
+            # read by taskboard_agent.client's parser (the EventSource rules: an event counts at
             # the blank line that ends it, and only then does its id become the one to
             # resume from; a block cut off before its end is dropped, id and all).
             decoder = codecs.getincrementaldecoder("utf-8")()

@@ -19,7 +19,7 @@ import pytest
 from django.db import connection
 
 from board.models import Task, TaskEvent
-from taskboard.client import Client, TaskboardError
+from taskboard_agent.client import Client, TaskboardError
 from tests.faults.conftest import SERVER_APPLICATION_NAME
 from tests.live import StreamCollector
 from tests.processes import ServeProcess, StreamFollower, WorkerProcess, eventually

@@ -33,7 +33,7 @@ SPLIT_EVERY = 7  # every 7th task of the plan is split into subtasks by its agen
 # spinner task never ends: its runner heartbeats until the attempt deadline stops it.
 COMMAND = """
 import json, os, sys, time
-from taskboard.client import Client
+from taskboard_agent.client import Client
 task = json.load(sys.stdin)
 progress = os.fdopen(int(os.environ["TASKBOARD_PROGRESS_FD"]), "w", buffering=1)
 if task["payload"].get("spin"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     ScenarioResult,
     create_agents,
@@ -61,7 +61,7 @@ def load_history(database: Database, count: int, created_by: str, progress: Any)
 
 
 def _insert_tasks_sql() -> str:
-    from taskboard.benchmark.harness import INSERT_TASKS
+    from benchmarks.harness import INSERT_TASKS
 
     return INSERT_TASKS
 

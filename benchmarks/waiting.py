@@ -1,6 +1,6 @@
 """Waiting agents: 500 claims waiting with ``wait``, then tasks created one by one.
 
-A helper process (taskboard.benchmark.clients wait) keeps 500 claims waiting (``wait``:
+A helper process (benchmarks.clients wait) keeps 500 claims waiting (``wait``:
 60 s), each on its own keep-alive connection, and sends the next waiting claim as soon as
 one returns. Once the server is idle, this process creates tasks one at a time, every
 100 ms, with board.transitions.create, noting when each commit returned; the helper notes
@@ -13,8 +13,8 @@ from typing import Any
 
 from django.conf import settings
 
-from taskboard.benchmark.fanout import deliver, produce
-from taskboard.benchmark.harness import Helper, Sampler, ScenarioResult, create_agents
+from benchmarks.fanout import deliver, produce
+from benchmarks.harness import Helper, Sampler, ScenarioResult, create_agents
 
 TITLE = "Waiting agents (claims with wait, tasks created one by one)"
 INTERVAL = 0.1

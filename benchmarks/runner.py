@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     Progress,
     ScenarioResult,
@@ -110,7 +110,7 @@ def run(
     try:
         scratch.prepare_template(application_database)
         for name in names:
-            module = importlib.import_module(f"taskboard.benchmark.{name}")
+            module = importlib.import_module(f"benchmarks.{name}")
             result = ScenarioResult(name, module.TITLE)
             progress.scenario = name
             began = time.monotonic()
@@ -138,7 +138,7 @@ def run(
     stdout.write(table(data))
     stdout.write(f"\nFigures written to {output}\n")
     if plot:
-        from taskboard.benchmark import plot as plotting
+        from benchmarks import plot as plotting
 
         for path in plotting.plot(data, output.parent):
             stdout.write(f"Chart written to {path}\n")

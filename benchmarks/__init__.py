@@ -9,6 +9,6 @@ their own processes, ``runner`` the table and the JSON, ``plot`` the charts.
 
 from __future__ import annotations
 
-from taskboard.benchmark.runner import SCENARIOS, run
+from benchmarks.runner import SCENARIOS, run
 
 __all__ = ["SCENARIOS", "run"]

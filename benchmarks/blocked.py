@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     ScenarioResult,
     count_label,
@@ -32,7 +32,7 @@ from taskboard.benchmark.harness import (
     queue_count_mismatches,
     ratio,
 )
-from taskboard.benchmark.history import claim_latencies
+from benchmarks.history import claim_latencies
 
 TITLE = "Blocked tasks do not slow claims (1 agent, claim latency)"
 TARGET = 1.2

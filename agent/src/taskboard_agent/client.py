@@ -1,11 +1,11 @@
 """A Python client for the Taskboard API v1 (see the README's "Writing an agent").
 
 It needs nothing but httpx, and never imports Django: an agent installs the package and
-imports ``taskboard.client`` on a machine that runs no server.
+imports ``taskboard_agent.client`` on a machine that runs no server.
 
 ::
 
-    from taskboard.client import Client
+    from taskboard_agent.client import Client
 
     with Client("http://127.0.0.1:8000", token) as board:
         while True:

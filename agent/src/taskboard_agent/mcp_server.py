@@ -5,7 +5,7 @@ the server's ``/mcp/`` serves over Streamable HTTP (board.mcp.endpoint).
 
 An MCP server built with the official SDK (``mcp.server.mcpserver.MCPServer``) whose tools
 are the contract's (CONTRACT.md, "MCP"), each one call of the Python client
-(taskboard.client) to the board's REST API, so that both transports answer with the API's
+(taskboard_agent.client) to the board's REST API, so that both transports answer with the API's
 own validation and error codes. ``taskboard mcp`` runs on the agent's machine, as the agent
 of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends
 the same calls to its own process's API, as the agent of the session's Bearer token.
@@ -15,7 +15,7 @@ finishes what it claims: the processes of one token and board share their claims
 :class:`ClaimFile`. Over HTTP the sessions of one token share theirs (board.mcp.endpoint).
 
 Leases are the server's job, not the model's: ``claim_task`` keeps the task's lease token
-here, in the session, and a :class:`~taskboard.client.Lease` heartbeats it in the
+here, in the session, and a :class:`~taskboard_agent.client.Lease` heartbeats it in the
 background every third of the lease until the model completes, fails, releases or
 escalates the task, or the lease is lost (the attempt deadline, a human's action). The
 model never sees a token. When the session ends (the stdio process exits, the HTTP session
@@ -48,7 +48,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
-from taskboard.client import (
+from taskboard_agent.client import (
     NO_LIMIT,
     ClaimedTask,
     Client,

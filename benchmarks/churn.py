@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from taskboard.benchmark.harness import Database, ScenarioResult, create_agents, ratio, run_threads
+from benchmarks.harness import Database, ScenarioResult, create_agents, ratio, run_threads
 
 TITLE = "Churn (claim+heartbeat+complete cycles, autovacuum only)"
 TARGET = 2.0

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from taskboard.benchmark.harness import Progress, Scratch, Server, ServerParams, create_agents
+from benchmarks.harness import Progress, Scratch, Server, ServerParams, create_agents
 
 LEASE_SECONDS = 5
 # The normal load's queues; the abusive agent keeps to its own, so that the normal agents

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
 
-from taskboard.client import (
+from taskboard_agent.client import (
     AuthenticationError,
     ClaimedTask,
     Client,
@@ -701,7 +701,7 @@ class Worker:
     def _complete(self, lease: Lease, result: Any) -> None:
         """Complete the task, trying again while the board does not answer (a restart, a
         dropped connection), for as long as the lease lasts: the lease heartbeats again
-        meanwhile (taskboard.client.Lease), so the task stays ours. A complete whose answer
+        meanwhile (taskboard_agent.client.Lease), so the task stays ours. A complete whose answer
         was lost may have taken effect; if so, the next one (or a heartbeat) is refused
         ``lease_lost``, and the task itself shows it done by this agent.
         """

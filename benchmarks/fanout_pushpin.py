@@ -6,7 +6,7 @@ request at once with GRIP instructions; Pushpin then holds the stream, and one s
 process (the one whose relay holds the publisher's lock, board.live.grip) publishes each event
 to Pushpin, which writes it to every held stream.
 
-Helper processes (taskboard.benchmark.clients sse, one per CPU, each with its open-file
+Helper processes (benchmarks.clients sse, one per CPU, each with its open-file
 limit raised to the hard limit) open 10,000 streams (2,000 with ``--quick``) through
 Pushpin with one agent's token. Before any event is made the streams settle: Pushpin
 recovers each newly subscribed stream once, about a second after it subscribes, through
@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from taskboard.benchmark.fanout import add_delivery_figures, produce
-from taskboard.benchmark.harness import Helper, Sampler, ScenarioResult, create_agents
+from benchmarks.fanout import add_delivery_figures, produce
+from benchmarks.harness import Helper, Sampler, ScenarioResult, create_agents
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Fan-out: 1,000 open SSE streams while 50 events per second are committed.
 
-A helper process (taskboard.benchmark.clients sse) holds the streams open; this process
+A helper process (benchmarks.clients sse) holds the streams open; this process
 creates tasks at a steady 50 per second with board.transitions.create and notes the time
 each commit returned. The helper notes when each "created" event arrives on each stream;
 the latency is arrival minus commit, over every (stream, event) pair. Meanwhile the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from taskboard.benchmark.harness import Helper, Sampler, ScenarioResult, create_agents
+from benchmarks.harness import Helper, Sampler, ScenarioResult, create_agents
 
 TITLE = "Fan-out (SSE streams, 50 events/s)"
 RATE = 50

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     ScenarioResult,
     Server,

@@ -33,6 +33,8 @@ from psycopg import sql
 
 APPLICATION_NAME = "taskboard-benchmark"
 AGENT_PREFIX = "bench-agent-"
+# The checkout that holds benchmarks/ (not installed: -m finds it from there).
+CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -544,7 +546,7 @@ class Server:
         self.peak_rss = 0
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "taskboard.cli", "serve", "--no-migrate"]
+        command = [sys.executable, "-m", "taskboard.commands", "serve", "--no-migrate"]
         command += ["--port", str(self.port)]
         if self.workers is not None:
             command += ["--workers", str(self.workers)]
@@ -837,12 +839,13 @@ class Sampler:
 
 
 class Helper:
-    """A load-generating helper (taskboard.benchmark.clients) in its own process, so that
+    """A load-generating helper (benchmarks.clients) in its own process, so that
     its CPU is not the server's or the benchmark's. It speaks JSON lines on stdin/stdout."""
 
     def __init__(self, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "taskboard.benchmark.clients", *args],
+            [sys.executable, "-m", "benchmarks.clients", *args],
+            cwd=CHECKOUT,  # where -m finds benchmarks/: it is not installed
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             preexec_fn=raise_file_limit,

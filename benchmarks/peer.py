@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import Any
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     ScenarioResult,
     create_agents,

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from taskboard.benchmark.harness import (
+from benchmarks.harness import (
     Database,
     ScenarioResult,
     count_label,

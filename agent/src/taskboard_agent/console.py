@@ -13,8 +13,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from taskboard.client import NO_LIMIT, Client, NoLimit, Task, TaskboardError
-from taskboard.worker import Display, Worker, WorkerOptions
+from taskboard_agent.client import NO_LIMIT, Client, NoLimit, Task, TaskboardError
+from taskboard_agent.worker import Display, Worker, WorkerOptions
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 COMMANDS = ("work", "submit", "tasks")

@@ -1,4 +1,4 @@
-"""Load generators that run in their own process (``python -m taskboard.benchmark.clients``),
+"""Load generators that run in their own process (``python -m benchmarks.clients``),
 so that their CPU is neither the server's nor the benchmark's. They never import Django.
 
 ``sse``: hold N event streams open; ``wait``: keep N claims waiting with ``wait``. Each
