@@ -19,6 +19,9 @@ class AccessConfig(AppConfig):
         from board.live import relay
 
         relay.on_auth_failure(throttle.failure_announced)
+        throttle.listened_while(
+            lambda: any(running.connected.is_set() for running in relay.running_relays())
+        )
         user_login_failed.connect(throttle.on_login_failed, dispatch_uid="access.throttle")
         user_logged_out.connect(announce_logout, dispatch_uid="access.logout")
 

@@ -8,7 +8,7 @@ page. A queue's state and its log of pauses and resumes are read-only lists; pau
 resuming are actions on the queues, for staff (as in the API), that call
 ``board.transitions.pause_queue`` and ``resume_queue``. Webhooks are listed with their
 deliveries; staff retry failed deliveries with an action that calls
-``board.transitions.retry_deliveries``.
+``board.notifications.deliveries.retry_deliveries``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from board.models import (
     TaskEvent,
     Webhook,
 )
+from board.notifications import deliveries
 from board.pages.forms import QueueNoteForm
 from board.pages.relations import relations_of
 from board.pages.timeline import requested_page, timeline_page
@@ -429,7 +430,7 @@ class WebhookAdmin(ReadOnlyAdmin):
 @admin.action(permissions=["retry"], description="Retry the selected failed deliveries")
 def retry(modeladmin: DeliveryAdmin, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
     selected = list(queryset.values_list("id", flat=True))
-    rearmed = transitions.retry_deliveries(delivery_ids=selected, actor=request.user)
+    rearmed = deliveries.retry_deliveries(delivery_ids=selected, actor=request.user)
     text = f"Retrying {rearmed} {'delivery' if rearmed == 1 else 'deliveries'}"
     if skipped := len(selected) - rearmed:
         text += f"; skipped {skipped} that had not failed or whose event was archived"
@@ -453,8 +454,8 @@ DELIVERY_COLUMNS: list[Any] = [
 @admin.register(Delivery)
 class DeliveryAdmin(ReadOnlyAdmin):
     """Every delivery of an event to a webhook or by email: its attempts and their outcome.
-    Staff retry failed ones (board.transitions.retry_deliveries): due at once, for a new
-    horizon."""
+    Staff retry failed ones (board.notifications.deliveries.retry_deliveries): due at once,
+    for a new horizon."""
 
     list_display = DELIVERY_COLUMNS
     # Only the webhooks of the deliveries this user may see (a limited user's queues).

@@ -19,11 +19,11 @@ class BoardConfig(AppConfig):
 
 def _create_event_partitions_ahead(using: str, **kwargs: Any) -> None:
     """After every ``migrate``: the event log's partitions for this month and the next
-    three, so that none has to be made by a transition (board.transitions)."""
+    three, so that none has to be made by a transition (board.partitions)."""
     from django.db import connections
 
-    from board import transitions
+    from board import partitions
 
     if connections[using].vendor != "postgresql" or using != "default":
         return
-    transitions.ensure_event_partitions(months_ahead=3)
+    partitions.ensure(months_ahead=3)

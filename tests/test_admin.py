@@ -25,6 +25,7 @@ from django.urls import reverse
 from board import transitions
 from board.access import limit_queues
 from board.models import EventType, QueuePause, QueueState, Task, TaskEvent, TaskStatus
+from board.notifications import deliveries
 from tests import factories
 from tests.factories import StaffFactory, UserFactory
 
@@ -823,7 +824,7 @@ def test_staff_limited_to_queues_see_and_retry_only_their_queues_webhooks_and_de
     from board.models import Delivery, Webhook
 
     def hook(queues: list[str] | None) -> Webhook:
-        return transitions.create_webhook(
+        return deliveries.create_webhook(
             actor=staff,
             url="https://example.com/hook",
             events=["escalated"],
@@ -845,8 +846,8 @@ def test_staff_limited_to_queues_see_and_retry_only_their_queues_webhooks_and_de
     for hidden in (every, theirs_hook):
         page = client.get(reverse("admin:board_webhook_change", args=[hidden.pk]))
         assert page.status_code == 302
-    deliveries = client.get(reverse("admin:board_delivery_changelist"))
-    assert {d.task_id for d in deliveries.context["cl"].result_list} == {ours.pk}
+    listed = client.get(reverse("admin:board_delivery_changelist"))
+    assert {d.task_id for d in listed.context["cl"].result_list} == {ours.pk}
     their_deliveries = list(Delivery.objects.filter(task_id=theirs.pk).values_list("pk", flat=True))
     response = client.post(
         reverse("admin:board_delivery_changelist"),
@@ -867,7 +868,7 @@ def test_staff_limited_to_queues_never_see_the_url_of_a_webhook_that_is_not_thei
     from board.models import Delivery
 
     def hook(queues: list[str] | None, url: str) -> Any:
-        return transitions.create_webhook(
+        return deliveries.create_webhook(
             actor=staff, url=url, events=["escalated"], queues=queues, secret="s" * 32
         )
 

@@ -18,9 +18,11 @@ from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, transaction
 from django.db.migrations.executor import MigrationExecutor
 
+from board import partitions as event_log
 from board import transitions
 from board.exceptions import ArchiveMismatch
 from board.models import Delivery, Task, TaskEvent, Webhook
+from board.notifications import deliveries
 from tests.factories import TokenFactory, UserFactory
 from tests.live import StreamCollector, live_server
 
@@ -148,7 +150,7 @@ def test_making_a_months_partition_moves_its_events_out_of_the_default(
     may_id, june_id = past_event(task, in_may), past_event(task, in_june)
     before = all_events()
 
-    assert transitions.ensure_event_partitions(at=in_may, months_ahead=0) == ["task_events_2041_05"]
+    assert event_log.ensure(at=in_may, months_ahead=0) == ["task_events_2041_05"]
 
     assert all_events() == before  # the same rows, ids and txids
     assert home_of(may_id) == "task_events_2041_05"
@@ -167,7 +169,7 @@ def test_a_transition_makes_its_months_partition_when_it_is_missing(
     for name in (this_month, next_month):
         sql(f"ALTER TABLE task_events DETACH PARTITION {name}")
         sql(f"DROP TABLE {name}")
-    monkeypatch.setattr(transitions, "_event_partitions_month", None)
+    monkeypatch.setattr(event_log, "_month_made", None)
 
     task = make_task()
 
@@ -181,12 +183,28 @@ def test_a_transition_asks_for_partitions_once_a_month(
 ) -> None:
     make_task()
     asked: list[Any] = []
-    monkeypatch.setattr(transitions, "ensure_event_partitions", lambda **kw: asked.append(kw))
+    monkeypatch.setattr(event_log, "ensure", lambda **kw: asked.append(kw))
 
     make_task()
     make_task()
 
     assert asked == []
+
+
+@pytest.mark.django_db
+def test_only_statements_that_write_events_ask_for_partitions(
+    make_task: Callable[..., Task], monkeypatch: pytest.MonkeyPatch, staff: Any
+) -> None:
+    asked: list[Any] = []
+    monkeypatch.setattr(event_log, "ensure", lambda **kw: asked.append(kw))
+    monkeypatch.setattr(event_log, "_month_made", None)
+
+    transitions.pause_queue(queue="default", actor=staff)
+    deliveries.set_email_channel(active=False)
+    assert asked == []
+
+    make_task()
+    assert len(asked) == 1
 
 
 REFUSED = {
@@ -229,7 +247,7 @@ def history(make_task: Callable[..., Task], agent: Any) -> dict[str, list[int]]:
     """Events over five months: two months to archive (one of them also in the DEFAULT
     partition), last month and this one to keep. Return their ids by fate."""
     old, recent = make_task(title="old"), make_task(title="recent")
-    transitions.ensure_event_partitions(at=month_start(2), months_ahead=0)
+    event_log.ensure(at=month_start(2), months_ahead=0)
     archived = [
         past_event(old, month_start(14) + timedelta(days=3)),
         past_event(old, month_start(3)),  # no partition (unless a test left one): the default
@@ -409,7 +427,7 @@ def test_a_partition_that_does_not_hold_what_the_file_holds_is_not_dropped(
     [(count, id_sum)] = sql(f"SELECT count(*), sum(id) FROM {partition_of(month)}")
 
     with pytest.raises(ArchiveMismatch, match="holds 2 events"):
-        transitions.drop_event_partition(month=month, count=count, id_sum=id_sum + 1)
+        event_log.drop(month=month, count=count, id_sum=id_sum + 1)
 
     assert partition_of(month) in partitions()
     assert sql(f"SELECT count(*) FROM {partition_of(month)}") == [(count,)]
@@ -467,11 +485,11 @@ def test_a_month_held_by_a_reader_stops_the_archive_in_one_line_and_leaves_no_fi
     from tests.processes import tests_database_url
 
     # The drop's twenty tries, without their growing pauses between them.
-    monkeypatch.setattr(transitions.random, "uniform", lambda low, high: 0.0)
+    monkeypatch.setattr(event_log.random, "uniform", lambda low, high: 0.0)
     target = tmp_path / "a.jsonl.gz"
     before = f"{month_start(1):%Y-%m-%d}"
     events_before = TaskEvent.objects.count()
-    transitions.split_default_event_partition(before=month_start(1))  # before the reader
+    event_log.split_default(before=month_start(1))  # before the reader
 
     with psycopg.connect(tests_database_url()) as reader:
         reader.execute(f"SELECT count(*) FROM {partition_of(month_start(2))}").fetchone()
@@ -500,7 +518,7 @@ def test_events_held_in_the_default_partition_by_a_reader_refuse_the_archive_in_
 
     from tests.processes import tests_database_url
 
-    monkeypatch.setattr(transitions.random, "uniform", lambda low, high: 0.0)
+    monkeypatch.setattr(event_log.random, "uniform", lambda low, high: 0.0)
     stray = past_event(Task.objects.get(title="old"), month_start(40))  # a month no test makes
     assert home_of(stray) == "task_events_default"
 
@@ -524,7 +542,7 @@ def test_events_held_in_the_default_partition_by_a_reader_refuse_the_archive_in_
 
 
 def webhook(staff: Any) -> Webhook:
-    return transitions.create_webhook(
+    return deliveries.create_webhook(
         actor=staff, url="http://127.0.0.1:9/hook", events=["escalated"], queues=None, secret="s"
     )
 
@@ -533,10 +551,10 @@ def attempt(delivery_id: int, *, delivered: bool = False, for_good: bool = True)
     """Claim the due deliveries and record the attempt on ``delivery_id``: delivered, failed
     for good, or failed and due again at once; the others stay leased."""
     [claimed] = [
-        d for d in transitions.claim_deliveries(limit=100, lease_seconds=30) if d.pk == delivery_id
+        d for d in deliveries.claim_deliveries(limit=100, lease_seconds=30) if d.pk == delivery_id
     ]
     assert claimed.lease_token is not None
-    transitions.record_delivery(
+    deliveries.record_delivery(
         delivery_id=claimed.pk,
         lease_token=claimed.lease_token,
         delivered=delivered,
@@ -576,7 +594,7 @@ def test_archive_refuses_while_a_delivery_of_those_months_is_pending(
     if then == "delivered":
         attempt(waiting.pk, delivered=True)
     else:
-        assert transitions.delete_webhook(webhook_id=hook.pk, actor=staff)
+        assert deliveries.delete_webhook(webhook_id=hook.pk, actor=staff)
     call_command("archive", "--before", before, "--to", str(target))
     assert waiting.event_id in {line["id"] for line in read_lines(target)}
     assert TaskEvent.objects.filter(pk=kept.event_id).exists()
@@ -594,7 +612,7 @@ def test_a_failed_delivery_does_not_hold_the_archive_back_and_is_not_retried_aft
     call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))
 
     # Its event is no longer in the log: a staff retry would have nothing to send.
-    assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
+    assert deliveries.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
     delivery.refresh_from_db()
     assert delivery.status == "failed"
 
@@ -614,7 +632,7 @@ def test_a_delivery_retried_during_the_archive_stops_the_drop_of_its_month(
     read_back = archive._read_back
 
     def retried_meanwhile(path: Path, *, gzipped: bool) -> dict[Any, archive.Tally]:
-        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
+        assert deliveries.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
         return read_back(path, gzipped=gzipped)
 
     monkeypatch.setattr(archive, "_read_back", retried_meanwhile)
@@ -647,12 +665,12 @@ def test_a_staff_retry_made_during_a_drop_waits_for_it_and_rearms_nothing(
     past_event(task, month_start(2), type="escalated")
     [delivery] = Delivery.objects.all()
     attempt(delivery.pk)
-    query = transitions._query
+    query = event_log._query
     retried: list[int] = []
 
     def retry() -> None:
         try:
-            retried.append(transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff))
+            retried.append(deliveries.retry_deliveries(delivery_ids=[delivery.pk], actor=staff))
         finally:
             connections.close_all()
 
@@ -667,7 +685,7 @@ def test_a_staff_retry_made_during_a_drop_waits_for_it_and_rearms_nothing(
             assert retrying.is_alive(), f"the retry did not wait for the drop: {retried}"
         return query(name, params)
 
-    monkeypatch.setattr(transitions, "_query", drop_while_staff_retry)
+    monkeypatch.setattr(event_log, "_query", drop_while_staff_retry)
 
     call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))
 

@@ -13,6 +13,7 @@ from django.db import IntegrityError, connection, transaction
 from board import transitions
 from board.exceptions import EventLogIsAppendOnly, InvalidTask, translated_database_errors
 from board.models import Task, TaskEvent
+from board.sql import QUERIES
 
 pytestmark = pytest.mark.usefixtures("fast_password_hashing")
 
@@ -328,7 +329,7 @@ def a_busy_board(agent: Any) -> None:
 
 def claim_sql(queues: list[str] | None, limit: int = 1) -> str:
     """The claim statement that board.transitions.claim runs for these queues and limit."""
-    return transitions._STATEMENTS[transitions.claim_statement(queues, limit)]
+    return QUERIES[transitions.claim_statement(queues, limit)]
 
 
 def claim_plan(*, queues: list[str] | None) -> str:

@@ -67,7 +67,7 @@ def test_every_matching_event_arrives_signed_through_failures_and_timeouts(
     board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
 ) -> None:
     with WebhookReceiver(500, ("slow", 2.5), 503) as receiver:
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         tasks = [escalate(make_task, agent) for _ in range(4)]
@@ -99,7 +99,7 @@ def test_a_slack_webhook_gets_text_with_a_link_to_the_tasks_admin_page(
     board: LiveServer, make_task: Callable[..., Any], agent: Any, staff: Any
 ) -> None:
     with WebhookReceiver() as receiver:
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff,
             url=receiver.url,
             events=["escalated"],
@@ -133,7 +133,7 @@ def test_a_delivery_to_an_address_that_is_not_public_is_refused_and_tells_no_por
             f"http://127.0.0.1:{closed}/hook",  # closed
         ]
         hooks = [
-            transitions.create_webhook(
+            deliveries.create_webhook(
                 actor=staff, url=url, events=["escalated"], queues=None, secret=SECRET
             )
             for url in urls
@@ -158,7 +158,7 @@ def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
 ) -> None:
     quick.TASKBOARD_DELIVERY_HORIZON_SECONDS = 2
     with WebhookReceiver(then=500) as receiver, live_server():
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         escalate(make_task, agent)
@@ -170,7 +170,7 @@ def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
         assert delivery.next_attempt_at is None
 
         receiver.then = 200
-        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
+        assert deliveries.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 1
         eventually(lambda: settled(hook), timeout=10, what="the retry was delivered")
         delivery.refresh_from_db()
         assert (delivery.status, delivery.attempts, delivery.last_status_code) == (
@@ -179,13 +179,13 @@ def test_a_delivery_past_its_horizon_fails_and_a_staff_retry_rearms_it(
             200,
         )
         assert delivery.delivered_at is not None
-        assert transitions.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
+        assert deliveries.retry_deliveries(delivery_ids=[delivery.pk], actor=staff) == 0
 
 
 def fail_attempt(delivery: Delivery, *, retry_in: float, horizon_seconds: float) -> str | None:
     """Record that the attempt made under ``delivery``'s lease failed with a 500."""
     assert delivery.lease_token is not None
-    return transitions.record_delivery(
+    return deliveries.record_delivery(
         delivery_id=delivery.pk,
         lease_token=delivery.lease_token,
         delivered=False,
@@ -199,11 +199,11 @@ def fail_attempt(delivery: Delivery, *, retry_in: float, horizon_seconds: float)
 def test_a_retry_that_would_land_past_the_horizon_is_made_at_the_horizon(
     make_task: Callable[..., Any], agent: Any, staff: Any
 ) -> None:
-    transitions.create_webhook(
+    deliveries.create_webhook(
         actor=staff, url="http://127.0.0.1:9/hook", events=["escalated"], queues=None, secret=SECRET
     )
     escalate(make_task, agent)
-    [first] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    [first] = deliveries.claim_deliveries(limit=1, lease_seconds=30)
 
     assert fail_attempt(first, retry_in=60, horizon_seconds=1) == "pending"
     first.refresh_from_db()
@@ -211,7 +211,7 @@ def test_a_retry_that_would_land_past_the_horizon_is_made_at_the_horizon(
 
     # The last attempt, at the horizon: when it fails, the delivery has failed for good.
     [last] = eventually(
-        lambda: transitions.claim_deliveries(limit=1, lease_seconds=30), what="due at the horizon"
+        lambda: deliveries.claim_deliveries(limit=1, lease_seconds=30), what="due at the horizon"
     )
     assert fail_attempt(last, retry_in=60, horizon_seconds=1) == "failed"
     last.refresh_from_db()
@@ -230,7 +230,7 @@ def test_a_receiver_that_keeps_failing_is_tried_at_the_horizon_before_the_delive
     quick.TASKBOARD_DELIVERY_HORIZON_SECONDS = 3
     monkeypatch.setattr(deliveries, "backoff_seconds", lambda attempts, rng=None: 60.0)
     with WebhookReceiver(then=500) as receiver, live_server():
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         escalate(make_task, agent)
@@ -338,20 +338,20 @@ def test_emails_queued_while_email_was_on_fail_when_it_is_turned_off(
     """With EMAIL_URL unset ("no email"), an email queued before is not sent (it was,
     through Django's default, localhost:25) nor kept for weeks: it fails, and staff may
     retry it; retried while email is off, it waits for email to be on."""
-    email = transitions.set_email_channel(active=True)
+    email = deliveries.set_email_channel(active=True)
     escalate(make_task, agent)
     [queued] = Delivery.objects.filter(webhook=email)
-    transitions.set_email_channel(active=False)
+    deliveries.set_email_channel(active=False)
 
     queued.refresh_from_db()
     assert (queued.status, queued.last_error) == ("failed", "not sent: EMAIL_URL was unset")
-    assert transitions.retry_deliveries(delivery_ids=[queued.pk], actor=staff) == 1
-    assert transitions.claim_deliveries(limit=10, lease_seconds=30) == []
+    assert deliveries.retry_deliveries(delivery_ids=[queued.pk], actor=staff) == 1
+    assert deliveries.claim_deliveries(limit=10, lease_seconds=30) == []
     assert deliveries.next_due() is None
 
-    transitions.set_email_channel(active=True)
+    deliveries.set_email_channel(active=True)
     assert deliveries.next_due() == 0.0
-    [claimed] = transitions.claim_deliveries(limit=10, lease_seconds=30)
+    [claimed] = deliveries.claim_deliveries(limit=10, lease_seconds=30)
     assert claimed.pk == queued.pk
 
 
@@ -384,7 +384,7 @@ def test_a_delivery_made_while_the_relay_was_cut_off_is_sent_when_it_reconnects(
 
     [relay] = [r for loop, r in relay_module._relays.items() if not loop.is_closed()]
     with WebhookReceiver() as receiver:
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         eventually(lambda: relay.connected.is_set(), what="the relay listening")

@@ -1,14 +1,29 @@
 """Imports point one way: no module of the server or the agent imports, however indirectly (a
-function's own import included), a module that imports it; and the agent's package
+function's own import included), a module that imports it; every import of the server
+points down the layers that pyproject.toml's import-linter contracts declare
+(``lint-imports`` prints the chains of a broken one); and the agent's package
 (taskboard_agent, agent/) imports nothing of the server, Django included."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
+import pytest
+from importlinter import api  # noqa: F401  (configures import-linter's adapters)
+from importlinter.application import use_cases
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.contracts.layers import LayersContract
+from importlinter.domain.contract import Contract
 
 SERVER = ("board", "access", "escalations", "taskboard")
 AGENT = "taskboard_agent"
 PACKAGES = (*SERVER, AGENT)
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+CONTRACT_TYPES: dict[str, type[Contract]] = {
+    "layers": LayersContract,
+    "forbidden": ForbiddenContract,
+}
 
 
 def import_loops(graph: grimp.ImportGraph) -> list[tuple[str, str]]:
@@ -59,3 +74,47 @@ def test_an_import_of_the_server_from_the_agent_package_is_found() -> None:
     graph.add_import(importer="taskboard_agent.console", imported="board.models")
 
     assert ("taskboard_agent.cli", "board.models") in server_modules_reached(graph)
+
+
+def broken_contracts(graph: grimp.ImportGraph) -> list[str]:
+    """Return the names of pyproject.toml's import-linter contracts that ``graph`` breaks."""
+    options = use_cases.read_user_options(str(PYPROJECT))
+    broken = []
+    for contract_options in options.contracts_options:
+        contract = CONTRACT_TYPES[contract_options["type"]](
+            name=contract_options["name"],
+            session_options=options.session_options,
+            contract_options=contract_options,
+        )
+        if not contract.check(graph, verbose=False).kept:
+            broken.append(contract.name)
+    return broken
+
+
+def contracted_graph() -> grimp.ImportGraph:
+    options = use_cases.read_user_options(str(PYPROJECT))
+    return grimp.build_graph(*options.session_options["root_packages"], cache_dir=None)
+
+
+def test_every_import_points_down_the_layers() -> None:
+    assert broken_contracts(contracted_graph()) == [], "run lint-imports for the chains"
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported", "broken"),
+    [
+        # The state machine reaching for a way out: both contracts.
+        ("board.transitions", "board.live.relay", 2),
+        # The throttle asking live delivery, which authenticates through it.
+        ("access.throttle", "board.live.relay", 1),
+        # The relay reaching up to a consumer that registers with it.
+        ("board.live.relay", "board.notifications.deliveries", 1),
+        # The core importing the agent side.
+        ("board.queues", "taskboard_agent.client", 1),
+    ],
+)
+def test_an_import_that_climbs_breaks_a_contract(importer: str, imported: str, broken: int) -> None:
+    graph = contracted_graph()
+    graph.add_import(importer=importer, imported=imported, line_number=1, line_contents="")
+
+    assert len(broken_contracts(graph)) == broken

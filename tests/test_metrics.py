@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.test import APIClient
 
 from board import transitions
+from board.notifications import deliveries
 from tests import processes
 from tests.factories import TokenFactory
 from tests.live import LiveServer, StreamCollector
@@ -129,11 +130,11 @@ def test_it_counts_webhook_deliveries_by_result(
     add_webhook(staff_api)
     for _ in range(3):
         escalate(make_task, agent)
-    first, second = transitions.claim_deliveries(limit=2, lease_seconds=30)
-    transitions.record_delivery(
+    first, second = deliveries.claim_deliveries(limit=2, lease_seconds=30)
+    deliveries.record_delivery(
         delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
     )
-    transitions.record_delivery(
+    deliveries.record_delivery(
         delivery_id=second.pk,
         lease_token=second.lease_token,
         delivered=False,

@@ -23,7 +23,6 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import clear_url_caches, set_urlconf
 
-from board import transitions
 from board.models import Delivery
 from board.notifications import deliveries
 from tests import processes
@@ -123,10 +122,10 @@ def test_the_dispatcher_sends_a_working_link_to_each_account_of_the_address(
     email_on: Any,
 ) -> None:
     ann = account("ann", "ann@example.com")
-    transitions.queue_password_reset(address="ANN@example.com")
-    transitions.queue_password_reset(address="nobody@example.com")
+    deliveries.queue_password_reset(address="ANN@example.com")
+    deliveries.queue_password_reset(address="nobody@example.com")
 
-    claimed = transitions.claim_deliveries(limit=10, lease_seconds=30)
+    claimed = deliveries.claim_deliveries(limit=10, lease_seconds=30)
     outgoing = [deliveries.prepare(delivery) for delivery in claimed]
 
     async def send_all() -> list[tuple[bool, int | None, str | None]]:

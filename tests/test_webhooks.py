@@ -14,6 +14,7 @@ from rest_framework.test import APIClient
 
 from board import transitions
 from board.models import Delivery, Webhook
+from board.notifications import deliveries
 from tests.factories import UserFactory, grant
 from tests.test_api import assert_error, get, post
 
@@ -264,9 +265,9 @@ def test_an_escalation_email_gives_the_boards_link_first_and_quotes_what_agents_
 
     settings.TASKBOARD_PUBLIC_URL = "https://board.example.com"
     settings.TASKBOARD_ESCALATION_EMAILS = ["oncall@example.com"]
-    transitions.set_email_channel(active=True)
+    deliveries.set_email_channel(active=True)
     task = escalated_by_a_hostile_agent(make_task, agent)
-    [delivery] = transitions.claim_deliveries(limit=10, lease_seconds=30)
+    [delivery] = deliveries.claim_deliveries(limit=10, lease_seconds=30)
 
     out = deliveries.prepare(delivery)
 
@@ -326,7 +327,7 @@ def test_deleting_a_webhook_removes_it_and_its_deliveries(
 def test_the_email_channel_cannot_be_deleted_and_keeps_its_deliveries(
     staff_api: APIClient, make_task: Callable[..., Any], agent: Any
 ) -> None:
-    email = transitions.set_email_channel(active=True)
+    email = deliveries.set_email_channel(active=True)
     escalate(make_task, agent)
     assert Delivery.objects.filter(webhook_id=email.pk).count() == 1
 
@@ -406,10 +407,10 @@ def test_a_delivery_is_made_in_the_transaction_of_its_event(
 
 
 def test_an_inactive_webhook_gets_no_delivery(make_task: Callable[..., Any], agent: Any) -> None:
-    transitions.set_email_channel(active=False)
+    deliveries.set_email_channel(active=False)
     escalate(make_task, agent)
     assert not Delivery.objects.exists()
-    email = transitions.set_email_channel(active=True)
+    email = deliveries.set_email_channel(active=True)
     task = escalate(make_task, agent)
     assert list(Delivery.objects.values_list("webhook_id", "task_id")) == [(email.pk, task.pk)]
 
@@ -421,9 +422,9 @@ def failed_delivery(staff_api: APIClient, make_task: Callable[..., Any], agent: 
     add_webhook(staff_api)
     escalate(make_task, agent)
     delivery = Delivery.objects.get()
-    [claimed] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    [claimed] = deliveries.claim_deliveries(limit=1, lease_seconds=30)
     assert claimed.lease_token is not None
-    status = transitions.record_delivery(
+    status = deliveries.record_delivery(
         delivery_id=delivery.pk,
         lease_token=claimed.lease_token,
         delivered=False,
@@ -482,18 +483,18 @@ def test_an_outcome_is_recorded_only_under_the_current_lease(
 ) -> None:
     add_webhook(staff_api)
     escalate(make_task, agent)
-    [first] = transitions.claim_deliveries(limit=1, lease_seconds=0)  # runs out at once
-    [second] = transitions.claim_deliveries(limit=1, lease_seconds=30)
+    [first] = deliveries.claim_deliveries(limit=1, lease_seconds=0)  # runs out at once
+    [second] = deliveries.claim_deliveries(limit=1, lease_seconds=30)
     assert first.pk == second.pk and first.lease_token != second.lease_token
     assert first.lease_token is not None and second.lease_token is not None
-    assert transitions.claim_deliveries(limit=1, lease_seconds=30) == []
-    stale = transitions.record_delivery(
+    assert deliveries.claim_deliveries(limit=1, lease_seconds=30) == []
+    stale = deliveries.record_delivery(
         delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
     )
     assert stale is None
     assert Delivery.objects.get().status == "pending"
     assert (
-        transitions.record_delivery(
+        deliveries.record_delivery(
             delivery_id=second.pk, lease_token=second.lease_token, delivered=True, status_code=204
         )
         == "delivered"

@@ -40,6 +40,7 @@ from board.models import (
     Webhook,
     WebhookKind,
 )
+from board.notifications import deliveries
 from board.ops import metrics
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -757,7 +758,7 @@ class WebhookViewSet(BoardViewSet):
                 data["queues"] = sorted(self.access.queues or ())
         # 256 random bits, as a receiver's key for HMAC-SHA256 should have.
         data["secret"] = data.get("secret") or secrets.token_hex(32)
-        webhook = transitions.create_webhook(actor=request.user, **data)
+        webhook = deliveries.create_webhook(actor=request.user, **data)
         return Response(s.WebhookCreatedSerializer(webhook).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
@@ -766,7 +767,7 @@ class WebhookViewSet(BoardViewSet):
     )
     def destroy(self, request: Request, pk: str) -> Response:
         self.get_object()  # 404 for one this user may not see
-        if not transitions.delete_webhook(webhook_id=int(pk), actor=request.user):
+        if not deliveries.delete_webhook(webhook_id=int(pk), actor=request.user):
             raise exceptions.NotFound("No such webhook.")
         return Response(status=status.HTTP_204_NO_CONTENT)
 

@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 CHANNEL = "task_events"
 # A queue resumed (board.transitions.resume_queue): its name, for the claims waiting on it.
 QUEUE_CHANNEL = "task_queues"
-# Deliveries were made or re-armed (migration 0012, board.transitions.retry_deliveries):
-# wakes this process's dispatcher (board.notifications.deliveries).
+# Deliveries were made or re-armed (migration 0012, or a staff retry): wakes this process's
+# dispatcher (board.notifications.deliveries).
 DELIVERY_CHANNEL = "webhook_deliveries"
 # An account's credentials changed (migration 0014): the user's id, for board.live.revocation.
 CREDENTIALS_CHANNEL = "credentials_changed"

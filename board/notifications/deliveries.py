@@ -8,7 +8,7 @@ beside the relay; no other process is needed. The dispatcher:
 - wakes when the relay hears that deliveries were made or re-armed (NOTIFY
   webhook_deliveries, at commit), and at the time the next one falls due (a timer set to
   ``min(next_attempt_at)`` of the pending rows, read from a partial index): no polling;
-- claims due deliveries with ``FOR UPDATE SKIP LOCKED`` and a lease (board.transitions),
+- claims due deliveries with ``FOR UPDATE SKIP LOCKED`` and a lease (:func:`claim_deliveries`),
   so N processes deliver each one once; a process killed mid-delivery leaves a lease that
   runs out, and another (or the restarted one) tries again: at least once;
 - POSTs ``{"event": Event, "task": Task}`` as the API renders them, signed, with httpx
@@ -21,6 +21,11 @@ beside the relay; no other process is needed. The dispatcher:
 
 Database work runs on one thread of the dispatcher's own (Django's connection is per
 thread), which closes its connection whenever the dispatcher goes idle.
+
+This module is the only writer of ``webhooks`` and ``webhook_deliveries`` besides the
+trigger that makes a delivery with its event: the API, the admin and the pages add and
+remove webhooks, queue a password reset and retry deliveries through the functions below,
+whose statements are in ``deliveries.sql`` next to it.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import smtplib
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -56,7 +62,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
-from board import transitions
+from board import sql
 from board.models import (
     Delivery,
     DeliveryResult,
@@ -70,10 +76,12 @@ from board.models import (
 )
 from board.notifications import webhook_addresses
 from board.notifications.webhook_addresses import AddressRefused
-from board.sql import QUERIES
+from board.transitions import Actor, actor_name
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+QUERIES = sql.load(Path(__file__).with_name("deliveries.sql"))
 
 SIGNATURE_HEADER = "Taskboard-Signature"
 EVENT_ID_HEADER = "Taskboard-Event-Id"
@@ -285,7 +293,7 @@ def prepare(delivery: Delivery) -> Outgoing:
 def claim_and_prepare(limit: int) -> list[Outgoing]:
     """Claim up to ``limit`` due deliveries and build each one's message."""
     prepared = []
-    for delivery in transitions.claim_deliveries(limit=limit, lease_seconds=lease_seconds()):
+    for delivery in claim_deliveries(limit=limit, lease_seconds=lease_seconds()):
         try:
             prepared.append(prepare(delivery))
         except Exception as exc:  # recorded as a failed attempt, retried like any other
@@ -529,7 +537,7 @@ class Dispatcher:
         delivered, status_code, error = await attempt(out, self._client)
         try:
             status = await self._db(
-                transitions.record_delivery,
+                record_delivery,
                 delivery_id=out.delivery_id,
                 lease_token=out.lease_token,
                 delivered=delivered,
@@ -562,7 +570,7 @@ def _sync_email_channel() -> None:
     """Turn the escalation emails on when EMAIL_URL is set, and off when it is not."""
     wanted = bool(settings.EMAIL_URL)
     if wanted or Webhook.objects.filter(kind=WebhookKind.EMAIL, active=True).exists():
-        transitions.set_email_channel(active=wanted)
+        set_email_channel(active=wanted)
 
 
 _dispatchers: dict[asyncio.AbstractEventLoop, Dispatcher] = {}
@@ -584,3 +592,94 @@ async def stop_dispatcher() -> None:
     dispatcher = _dispatchers.pop(asyncio.get_running_loop(), None)
     if dispatcher is not None:
         await dispatcher.stop()
+
+
+# --- the statements: webhooks and their deliveries ----------------------------------------
+
+
+def _rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    return sql.run(QUERIES[name], params)
+
+
+def create_webhook(
+    *,
+    actor: Actor,
+    url: str,
+    events: Sequence[str],
+    queues: Sequence[str] | None,
+    secret: str,
+    format: str = "json",
+) -> Webhook:
+    """Add a webhook: every later event of ``events`` in ``queues`` (None: all) is sent."""
+    rows = _rows(
+        "create_webhook",
+        {
+            "actor": actor_name(actor),
+            "url": url,
+            "events": list(events),
+            "queues": None if queues is None else list(queues),
+            "secret": secret,
+            "format": format,
+        },
+    )
+    return sql.instance(Webhook, rows[0])
+
+
+def delete_webhook(*, webhook_id: int, actor: Actor) -> bool:
+    """Remove a webhook and its deliveries; return whether there was one."""
+    actor_name(actor)
+    return bool(_rows("delete_webhook", {"webhook_id": webhook_id}))
+
+
+def set_email_channel(*, active: bool) -> Webhook:
+    """Turn the escalation emails (EMAIL_URL) on or off."""
+    return sql.instance(Webhook, _rows("set_email_channel", {"active": active})[0])
+
+
+def queue_password_reset(*, address: str) -> None:
+    """Queue a password reset email to ``address`` (sent to each account of that address,
+    if any), and turn the email channel on first if no server process has yet (the form is
+    served only when EMAIL_URL is set)."""
+    if not _rows("queue_password_reset", {"address": address}):
+        set_email_channel(active=True)
+        _rows("queue_password_reset", {"address": address})
+
+
+def claim_deliveries(*, limit: int, lease_seconds: float) -> list[Delivery]:
+    """Lease up to ``limit`` due deliveries to the caller (SKIP LOCKED), counting an attempt."""
+    rows = _rows("claim_deliveries", {"limit": limit, "lease_seconds": lease_seconds})
+    return [sql.instance(Delivery, row) for row in rows]
+
+
+def record_delivery(
+    *,
+    delivery_id: int,
+    lease_token: uuid.UUID,
+    delivered: bool,
+    status_code: int | None = None,
+    error: str | None = None,
+    retry_in: float = 0,
+    horizon_seconds: float = 0,
+) -> str | None:
+    """Record the outcome of an attempt made under ``lease_token``.
+
+    Return the delivery's status afterwards (delivered; pending for a retry in ``retry_in``
+    seconds, or at the horizon when that would pass it; or failed when this attempt was at
+    or after the horizon), or None when the lease was no
+    longer the caller's (it ran out and another process took the delivery, or the webhook
+    was deleted): then nothing is recorded.
+    """
+    params = {"delivery_id": delivery_id, "lease_token": lease_token, "status_code": status_code}
+    if delivered:
+        return "delivered" if _rows("delivery_succeeded", params) else None
+    rows = _rows(
+        "delivery_attempt_failed",
+        {**params, "error": error, "retry_in": retry_in, "horizon_seconds": horizon_seconds},
+    )
+    return str(rows[0]["status"]) if rows else None
+
+
+def retry_deliveries(*, delivery_ids: Sequence[int], actor: Actor) -> int:
+    """Re-arm failed deliveries (staff): due now, for a new horizon. Return how many."""
+    actor_name(actor)
+    return len(_rows("retry_deliveries", {"delivery_ids": list(delivery_ids)}))

@@ -12,7 +12,7 @@ month before the boundary, oldest first:
    read from the database;
 3. drop: each month's partition is detached, checked again under task_events' lock (count
    and id sum, so an event that arrived in the month after the export stops it), and
-   dropped, in one transaction per month (board.transitions.drop_event_partition). Per
+   dropped, in one transaction per month (board.partitions.drop). Per
    month, not all at once: the lock that holds back every new event is held for one
    month's check and drop at a time, and a failure leaves every month before it archived
    and dropped, the failing one and those after it in place;
@@ -29,7 +29,7 @@ Deliveries still pending (contract: "Every matching event is delivered at least 
 hold the archive back: a delivery whose event has left the log has nothing to send. Before
 anything is written, any pending delivery of an event before the boundary refuses the
 archive (DeliveriesPending); each month's drop checks again for its own events, in its
-transaction, under the locks that the drop takes (board.transitions.drop_event_partition).
+transaction, under the locks that the drop takes (board.partitions.drop).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import psycopg
 from django.db import OperationalError, connection
 from django.db.models.expressions import RawSQL
 
-from board import exceptions, transitions
+from board import exceptions, partitions
 from board.api.serializers import EventSerializer
 from board.models import TaskEvent, Webhook, WebhookKind
 from board.sql import QUERIES
@@ -181,7 +181,7 @@ def _refuse_pending_deliveries(boundary: datetime) -> None:
 
 # Making, detaching and dropping partitions lock task_events with all its partitions:
 # any transaction that reads one of them (a long query, pg_dump) holds them back until it
-# ends, and board.transitions gives up after trying for about half a minute.
+# ends, and board.partitions gives up after trying for about half a minute.
 LOCKED = (
     "another transaction kept task_events or one of its partitions locked (a long-running "
     "query, or pg_dump) for as long as the archive waited (about 30 s)."
@@ -193,12 +193,12 @@ def _gave_up_waiting(exc: OperationalError) -> bool:
 
 
 def _drop(month: datetime, tally: Tally) -> None:
-    """Drop the month's partition (board.transitions), which checks, under the locks that
+    """Drop the month's partition (board.partitions), which checks, under the locks that
     the drop takes, that it holds what the file holds and that no delivery of its events
     became pending meanwhile (a staff retry of a failed one). Raise DropStopped, saying
     why, when it cannot."""
     try:
-        transitions.drop_event_partition(month=month, count=tally.count, id_sum=tally.id_sum)
+        partitions.drop(month=month, count=tally.count, id_sum=tally.id_sum)
     except exceptions.PendingDeliveries as exc:
         raise DropStopped(
             f"{_how_many(exc.pending)} of events of {month:%Y-%m} became pending since the "
@@ -251,7 +251,7 @@ def _events_of(month: datetime) -> Iterator[dict[str, Any]]:
     The month's bounds prune every other partition."""
     events = (
         TaskEvent.objects.filter(
-            created_at__gte=month, created_at__lt=transitions.month_after(month)
+            created_at__gte=month, created_at__lt=partitions.month_after(month)
         )
         .annotate(txid=RawSQL("txid::text", ()))
         .order_by("id")
@@ -306,11 +306,11 @@ def archive(*, before: date, to: Path, force: bool = False) -> Archived:
     # An empty file (made by mktemp, say) holds nothing to lose; anything else is kept.
     if to.exists() and to.stat().st_size > 0 and not force:
         raise ArchiveRefused(f"{to} exists: give another file, or --force to replace it.")
-    if not transitions.event_partitions_supported():
+    if not partitions.supported():
         raise ArchiveRefused("The event log is not partitioned yet: run `taskboard migrate`.")
     _refuse_pending_deliveries(boundary)
     try:
-        transitions.split_default_event_partition(before=boundary)
+        partitions.split_default(before=boundary)
     except OperationalError as exc:
         if not _gave_up_waiting(exc):
             raise

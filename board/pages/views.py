@@ -43,6 +43,7 @@ from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
+from board.notifications import deliveries
 from board.pages.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
 from board.pages.relations import SUMMARY_FIELDS, Summary, hidden, relations_of, summary
 from board.pages.timeline import TimelineEntry, requested_page
@@ -487,5 +488,5 @@ class PasswordResetView(auth_views.PasswordResetView):
     as a failed login does (access.throttle)."""
 
     def form_valid(self, form: PasswordResetForm) -> HttpResponse:
-        transitions.queue_password_reset(address=form.cleaned_data["email"])
+        deliveries.queue_password_reset(address=form.cleaned_data["email"])
         return HttpResponseRedirect(self.get_success_url())

@@ -1,5 +1,5 @@
 -- Reading the event log's monthly partitions for `taskboard archive` (board.ops.archive). The
--- partitions themselves are made and dropped by board.transitions (transitions.sql).
+-- partitions themselves are made and dropped by board.partitions (partitions.sql).
 
 -- name: event_partitions
 -- The monthly partitions of task_events (named task_events_YYYY_MM by schema/event_log.sql),

@@ -69,8 +69,9 @@ SELECT * FROM task;
 SELECT * FROM tasks
 WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 
--- name: claim
--- Hand out up to %(limit)s claimable tasks to %(actor)s, recording expired leases on the way.
+-- template: claim
+-- Hand out up to :limit claimable tasks of :queues to %(actor)s, recording expired leases
+-- on the way.
 --
 -- Two locking scans, each on its own partial index, each FOR UPDATE SKIP LOCKED so that
 -- concurrent claims pass over each other's rows instead of waiting for them:
@@ -83,10 +84,8 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- Each expired lease counts a strike: a task at max_failures is escalated and not handed
 -- out; the others compete with the pending tasks in claim order. Expired tasks that lose
 -- that competition go back to pending, their expiry recorded.
--- board.transitions runs this as two statements, with the queue condition replaced by
--- "true" (any queue) or by "queue = ANY(%(queues)s)" (named queues), each prepared with a
--- plan of its own; %(all_queues)s is the condition's flag for whoever runs this text as is
--- (the benchmark's raw SQL side).
+-- The queue condition (:queues) and the limit (:limit) are slots, filled by the variants
+-- below, each prepared with a plan of its own.
 -- Blocked tasks (open_dependencies > 0) are not in the pending indexes at all; tasks of a
 -- paused queue are filtered out row by row, as the index scan in claim order meets them
 -- (NOT EXISTS: the planner estimated a filter on an array of paused queue names at one
@@ -106,12 +105,12 @@ WITH expired AS (
     FROM tasks
     WHERE status = 'in_progress'
       AND leased_until <= now()
-      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND :queues
       AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
     -- In claim order, so a higher-priority expired task is never passed over; expired
     -- leases are few, and the index range scan finds them all before this sort.
     ORDER BY priority DESC, created_at, id
-    LIMIT %(limit)s
+    LIMIT :limit
     FOR UPDATE SKIP LOCKED
 ), pending AS (
     SELECT id, priority, created_at
@@ -119,10 +118,10 @@ WITH expired AS (
     WHERE status = 'pending'
       AND open_dependencies = 0
       AND (run_after IS NULL OR run_after <= now())
-      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND :queues
       AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
     ORDER BY priority DESC, created_at, id
-    LIMIT %(limit)s
+    LIMIT :limit
     FOR UPDATE SKIP LOCKED
 ), candidates AS (
     SELECT id, priority, created_at, true AS was_expired,
@@ -139,7 +138,7 @@ WITH expired AS (
     SELECT id FROM candidates
     WHERE NOT escalates AND NOT blocked
     ORDER BY priority DESC, created_at, id
-    LIMIT %(limit)s
+    LIMIT :limit
 ), updated AS (
     UPDATE tasks t SET
         status = CASE
@@ -211,6 +210,46 @@ WITH expired AS (
 )
 SELECT * FROM updated
 ORDER BY priority DESC, created_at, id;
+
+-- The claim's variants. PostgreSQL keeps one plan per prepared statement, and a plan made
+-- for "every queue" is not the one for "these queues"; so the queue condition is spelled
+-- out in each rather than bound as a flag (bound client-side, a literal flag also let the
+-- planner drop the condition, which a bound one would not). A claim of one task (the
+-- usual) has its LIMIT spelled out too: a generic plan costs a bound LIMIT as a tenth of
+-- the rows, which over a backlog of 100,000 pending tasks made PostgreSQL plan every claim
+-- afresh; with LIMIT 1 its generic plan is the index scan. board.transitions.claim picks
+-- one of the four named for a claim's queues and limit.
+
+-- name: claim_any_queue_one
+-- One task, from any queue (the usual claim).
+-- from: claim
+-- with :queues as true
+-- with :limit as 1
+
+-- name: claim_any_queue
+-- Up to %(limit)s tasks, from any queue.
+-- from: claim
+-- with :queues as true
+-- with :limit as %(limit)s
+
+-- name: claim_in_queues_one
+-- One task, from the queues %(queues)s.
+-- from: claim
+-- with :queues as queue = ANY(%(queues)s)
+-- with :limit as 1
+
+-- name: claim_in_queues
+-- Up to %(limit)s tasks, from the queues %(queues)s.
+-- from: claim
+-- with :queues as queue = ANY(%(queues)s)
+-- with :limit as %(limit)s
+
+-- name: claim
+-- The claim with its queue condition as a flag, %(all_queues)s, and its limit bound: one
+-- text for whoever runs it as is (the benchmark's raw SQL side).
+-- from: claim
+-- with :queues as (%(all_queues)s OR queue = ANY(%(queues)s))
+-- with :limit as %(limit)s
 
 -- name: heartbeat
 -- Push the holder's lease forward by lease_seconds (default: the length last asked for),
@@ -514,213 +553,3 @@ SELECT status,
            AND (status <> 'in_progress' OR leased_by <> %(actor)s))
            AS deadline_passed
 FROM tasks WHERE id = %(task_id)s;
-
--- The event log's monthly partitions (schema/event_log.sql defines the functions these call).
-
--- name: ensure_event_partition
--- Create the partition of task_events for the UTC month that holds %(at)s, unless it
--- exists (moving that month's events out of the DEFAULT partition first); return its name.
-SELECT task_events_ensure_partition(%(at)s::timestamptz) AS partition;
-
--- name: event_partitions_supported
--- Whether task_events is partitioned yet (false while the database is before 0011).
-SELECT to_regprocedure('task_events_ensure_partition(timestamptz)') IS NOT NULL AS supported;
-
--- name: default_event_partition_months
--- The UTC months of the events that the DEFAULT partition holds before %(before)s.
-SELECT DISTINCT (task_events_month(created_at)).lower_bound AS month
-FROM task_events_default
-WHERE created_at < %(before)s::timestamptz
-ORDER BY month;
-
--- name: pending_deliveries_of_month
--- The deliveries still pending (neither delivered nor failed) of the events of the month
--- that starts at %(month)s and ends at %(next_month)s (its partition only), per webhook:
--- dropping the partition would leave them nothing to send. Read under the locks of
--- lock_event_log, so that none becomes pending before the drop.
-SELECT d.webhook_id, count(*) AS pending
-FROM webhook_deliveries d
-WHERE d.status = 'pending'
-  AND EXISTS (SELECT 1 FROM task_events e
-              WHERE e.id = d.event_id
-                AND e.created_at >= %(month)s::timestamptz
-                AND e.created_at < %(next_month)s::timestamptz)
-GROUP BY d.webhook_id
-ORDER BY d.webhook_id;
-
--- name: lock_event_log
--- Take, first, the locks that dropping a month's partition takes (tasks, then task_events,
--- ACCESS EXCLUSIVE, in that order: schema/event_log.sql), waiting at most 200 ms for each, so
--- that this transaction's check of the month's pending deliveries still holds when the
--- partition is dropped: no event is written meanwhile (and so no delivery made), and a
--- staff retry of a failed delivery waits (retry_deliveries reads task_events). Held until
--- the transaction ends; lock_not_available makes drop_event_partition try again.
-DO $$
-BEGIN
-    SET LOCAL lock_timeout = '200ms';
-    LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE;
-    LOCK TABLE task_events IN ACCESS EXCLUSIVE MODE;
-END;
-$$;
-
--- name: drop_event_partition
--- Detach the partition of the month that holds %(month)s, check that it holds %(count)s
--- events whose ids sum to %(id_sum)s (the archive file's), and drop it.
-SELECT task_events_drop_partition(%(month)s::timestamptz, %(count)s, %(id_sum)s) AS dropped;
-
--- Telling humans: webhooks and their deliveries (board.notifications.deliveries sends them). The
--- deliveries themselves are made by the trigger of schema/deliveries.sql, in the statement that
--- writes their event.
-
--- name: create_webhook
--- Add a webhook; from the next statement that writes a matching event, it gets deliveries.
-INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by, created_at)
-VALUES ('webhook', %(url)s, %(events)s, %(queues)s, %(secret)s, %(format)s, true, %(actor)s,
-        now())
-RETURNING *;
-
--- name: delete_webhook
--- Remove a webhook and its deliveries (an attempt in flight then records nothing). The
--- deliveries go only when the webhook did: a data-modifying CTE always runs, so it keys
--- on the rows the webhook's DELETE returned (the email row, or an unknown id, keeps them).
-WITH gone AS (
-    DELETE FROM webhooks WHERE id = %(webhook_id)s AND kind = 'webhook'
-    RETURNING id
-), deliveries AS (
-    DELETE FROM webhook_deliveries WHERE webhook_id IN (SELECT id FROM gone)
-)
-SELECT id FROM gone;
-
--- name: set_email_channel
--- Turn the escalation emails on or off (each server says at start-up whether EMAIL_URL is
--- set): one row of kind email, matching every escalation. Turned off, the emails still
--- waiting fail (staff may retry them once it is on again): none goes out weeks later,
--- and nothing is left for the dispatchers to pass over.
-WITH channel AS (
-    INSERT INTO webhooks (kind, url, events, queues, secret, format, active, created_by,
-                          created_at)
-    VALUES ('email', '', ARRAY['escalated'], NULL, '', 'json', %(active)s, 'system', now())
-    ON CONFLICT (kind) WHERE kind = 'email' DO UPDATE SET active = EXCLUDED.active
-    RETURNING *
-), dropped AS (
-    UPDATE webhook_deliveries d SET
-        status = 'failed', next_attempt_at = NULL, leased_until = NULL, lease_token = NULL,
-        last_error = 'not sent: EMAIL_URL was unset'
-    FROM channel c
-    WHERE NOT c.active AND d.webhook_id = c.id AND d.status = 'pending'
-    RETURNING d.id
-), counted AS (
-    INSERT INTO delivery_results AS r (result, count)
-    SELECT 'failed', count(*) FROM dropped HAVING count(*) > 0
-    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
-)
-SELECT * FROM channel;
-
--- name: queue_password_reset
--- Queue a password reset email to %(address)s, through the email row while it is active
--- (EMAIL_URL set), and wake the dispatchers. Whether the address has an account is
--- looked up only when it is sent: this statement is the same for every address.
-WITH made AS (
-    INSERT INTO webhook_deliveries (
-        webhook_id, recipient, status, attempts, next_attempt_at, armed_at, created_at
-    )
-    SELECT w.id, %(address)s, 'pending', 0, now(), now(), now()
-    FROM webhooks w
-    WHERE w.kind = 'email' AND w.active
-    RETURNING id
-)
-SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM made;
-
--- name: claim_deliveries
--- Lease up to %(limit)s due deliveries to this process, oldest due first.
---
--- As a claim of tasks: FOR UPDATE SKIP LOCKED on the partial index of pending rows, so
--- that the server processes never wait for each other nor take the same delivery. The
--- lease moves next_attempt_at to its end: a process killed mid-delivery leaves a row that
--- falls due again when the lease runs out, and another process (or the restarted one)
--- tries again. Each claim counts an attempt and draws a fresh token; only the holder of
--- the token records the outcome. The deliveries of an inactive channel (the emails, with
--- EMAIL_URL unset: a staff retry meanwhile) wait, pending, until it is active again.
-WITH due AS (
-    SELECT id FROM webhook_deliveries d
-    WHERE status = 'pending' AND next_attempt_at <= now()
-      AND EXISTS (SELECT 1 FROM webhooks w WHERE w.id = d.webhook_id AND w.active)
-    ORDER BY next_attempt_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE webhook_deliveries d SET
-    attempts = d.attempts + 1,
-    leased_until = now() + make_interval(secs => %(lease_seconds)s),
-    next_attempt_at = now() + make_interval(secs => %(lease_seconds)s),
-    lease_token = gen_random_uuid()
-FROM due
-WHERE d.id = due.id
-RETURNING d.*;
-
--- name: delivery_succeeded
--- Record a 2xx answer, under the lease token, and count it.
-WITH done AS (
-    UPDATE webhook_deliveries SET
-        status = 'delivered', delivered_at = now(), last_status_code = %(status_code)s,
-        last_error = NULL, leased_until = NULL, lease_token = NULL, next_attempt_at = NULL
-    WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
-    RETURNING id
-), counted AS (
-    INSERT INTO delivery_results AS r (result, count)
-    SELECT 'delivered', count(*) FROM done HAVING count(*) > 0
-    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
-)
-SELECT id FROM done;
-
--- name: delivery_attempt_failed
--- Record a failed attempt under the lease token, and count it as retried or failed. The
--- horizon is %(horizon_seconds)s after the delivery was armed (made, or retried by staff).
--- Before it, the delivery is due again after %(retry_in)s seconds, or at the horizon when
--- that would land past it: one last attempt there, so that a receiver is tried for the
--- whole horizon, not given up on when a long backoff happens to be drawn near its end. An
--- attempt that fails at or after the horizon fails the delivery for good.
-WITH outcome AS (
-    UPDATE webhook_deliveries SET
-        status = CASE
-            WHEN now() >= armed_at + make_interval(secs => %(horizon_seconds)s)
-            THEN 'failed' ELSE 'pending' END,
-        next_attempt_at = CASE
-            WHEN now() >= armed_at + make_interval(secs => %(horizon_seconds)s) THEN NULL
-            ELSE least(now() + make_interval(secs => %(retry_in)s),
-                       armed_at + make_interval(secs => %(horizon_seconds)s)) END,
-        last_status_code = %(status_code)s, last_error = %(error)s,
-        leased_until = NULL, lease_token = NULL
-    WHERE id = %(delivery_id)s AND lease_token = %(lease_token)s AND status = 'pending'
-    RETURNING id, status
-), counted AS (
-    INSERT INTO delivery_results AS r (result, count)
-    SELECT CASE WHEN o.status = 'failed' THEN 'failed' ELSE 'retried' END, 1 FROM outcome o
-    ON CONFLICT (result) DO UPDATE SET count = r.count + EXCLUDED.count
-)
-SELECT id, status FROM outcome;
-
--- name: retry_deliveries
--- Re-arm failed deliveries (staff): due now, with a new horizon, and wake the dispatchers.
--- Only those whose event is still in the log: one that `taskboard archive` took out has
--- nothing left to send. Reading task_events waits for the lock that an archive holds from
--- its check for pending deliveries of a month to the drop of that month (board.ops.archive),
--- so a retry cannot make one pending in between: it re-arms before the check, which then
--- sees it, or after the drop, when its event is gone.
-WITH rearmed AS (
-    UPDATE webhook_deliveries d SET
-        status = 'pending', next_attempt_at = now(), armed_at = now(), attempts = 0
-    WHERE d.id = ANY(%(delivery_ids)s::bigint[]) AND d.status = 'failed'
-      AND EXISTS (SELECT 1 FROM task_events e WHERE e.id = d.event_id)
-    RETURNING d.id
-)
-SELECT id, pg_notify('webhook_deliveries', '') IS NULL AS notified FROM rearmed;
-
--- name: next_delivery_due
--- When the next pending delivery that claim_deliveries would take falls due (a retry, or
--- a lease running out), from the partial index: the dispatcher sets its timer to it.
-SELECT d.next_attempt_at AS due FROM webhook_deliveries d
-WHERE d.status = 'pending'
-  AND EXISTS (SELECT 1 FROM webhooks w WHERE w.id = d.webhook_id AND w.active)
-ORDER BY d.next_attempt_at
-LIMIT 1;

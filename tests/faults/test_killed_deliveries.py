@@ -11,6 +11,7 @@ import pytest
 
 from board import transitions
 from board.models import Delivery
+from board.notifications import deliveries
 from tests.factories import TaskFactory, UserFactory
 from tests.processes import ServeProcess, eventually
 from tests.receivers import HOLD, WebhookReceiver
@@ -47,7 +48,7 @@ def test_a_delivery_cut_off_by_a_killed_server_is_made_after_a_restart(
 ) -> None:
     staff = UserFactory(username="ops-alice", is_staff=True)
     with WebhookReceiver(HOLD) as receiver:
-        transitions.create_webhook(
+        deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         # One process: SIGKILL of `serve --workers N` would kill only the supervisor, and
@@ -78,7 +79,7 @@ def test_two_server_processes_make_each_delivery_once(
 ) -> None:
     staff = UserFactory(username="ops-alice", is_staff=True)
     with WebhookReceiver(*[("slow", 0.2)] * 10) as receiver:
-        hook = transitions.create_webhook(
+        hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
         )
         servers = [start_serve(**QUICK), start_serve(**QUICK)]

@@ -1,9 +1,9 @@
 -- The event log, task_events: append-only, partitioned by month of created_at (UTC).
 --
 -- Partitions are named task_events_YYYY_MM, plus a DEFAULT partition, task_events_default,
--- so that an insert never fails for lack of a partition. board.transitions makes the
--- current and next month's at most once per process per month, every `migrate` the next
--- three (board.apps), and only task_events_drop_partition(), called by `taskboard archive`
+-- so that an insert never fails for lack of a partition. board.partitions makes the
+-- current and next month's at most once per process per month, before a transition writes
+-- events, and every `migrate` the next three (board.apps); only task_events_drop_partition(), called by `taskboard archive`
 -- (board/ops/archive.py), removes events, a whole verified month at a time.
 --
 -- Locks. Making, detaching or dropping a partition takes task_events' ACCESS EXCLUSIVE lock
