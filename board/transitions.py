@@ -43,7 +43,6 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
-from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
 from django.db import DatabaseError, OperationalError, connection, transaction
@@ -100,7 +99,7 @@ def _rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
 def _query(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     sql = _STATEMENTS.get(name) or QUERIES[name]
     with translated_database_errors(), connection.cursor() as cursor:
-        if settings.DATABASE_PREPARED_STATEMENTS:
+        if conf.database_prepared_statements():
             # Prepared on the session (a server-binding cursor on Django's connection):
             # PostgreSQL then plans each statement once for the session instead of at
             # every call, where planning the claim took longer than running it.

@@ -13,8 +13,7 @@ import threading
 import time
 from typing import Any
 
-from django.conf import settings
-
+from board import conf
 from taskboard.benchmark.harness import (
     Database,
     ScenarioResult,
@@ -162,5 +161,5 @@ def run(ctx: Any, result: ScenarioResult) -> None:
         f"{AGENTS} agents; median of {rounds} round(s) of {seconds:.0f} s each, API and raw SQL "
         "alternating; raw SQL = board/sql/transitions.sql 'claim' and 'complete' over 8 psycopg "
         "connections; the server runs with its defaults (one process per CPU, "
-        f"{settings.TASKBOARD_THREADS} threads each), access log off"
+        f"{conf.threads()} threads each), access log off"
     )

@@ -8,6 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from board import conf
 from taskboard import benchmark
 from taskboard.benchmark.harness import ServerParams
 
@@ -67,7 +68,7 @@ class Command(BaseCommand):
             server = ServerParams.from_url(options["database_url"])
         else:
             server = ServerParams.from_django()
-        output = options["output"] or Path(settings.DATA_DIR) / "benchmark" / "results.json"
+        output = options["output"] or Path(conf.data_dir()) / "benchmark" / "results.json"
         try:
             benchmark.run(
                 quick=options["quick"],

@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from board import conf
 from taskboard.benchmark import soak
 from taskboard.benchmark.harness import ServerParams
 
@@ -71,7 +72,7 @@ class Command(BaseCommand):
             server = ServerParams.from_url(options["database_url"])
         else:
             server = ServerParams.from_django()
-        output = options["output"] or Path(settings.DATA_DIR) / "soak" / "results.json"
+        output = options["output"] or Path(conf.data_dir()) / "soak" / "results.json"
         try:
             data = soak.run(
                 seconds=seconds,
