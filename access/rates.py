@@ -95,4 +95,4 @@ def retry_after(user: AbstractBaseUser | AnonymousUser, kind: Write, count: int 
         wait = left - length * (room - current) / previous
     else:
         wait = 0.0  # it fits now: the refusal raced writes that have since been counted
-    return max(1, math.ceil(wait))
+    return max(1, math.ceil(float(wait)))

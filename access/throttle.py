@@ -154,7 +154,7 @@ def retry_after(address: str) -> int | None:
         wait = left + length * (1 - allowed / current)
     else:
         wait = left - length * (allowed - current) / previous
-    return max(1, math.ceil(wait))
+    return max(1, math.ceil(float(wait)))
 
 
 class Throttled(Exception):

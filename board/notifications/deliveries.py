@@ -304,7 +304,7 @@ def next_due() -> float | None:
         row = cursor.fetchone()
     if row is None or row[0] is None:
         return None
-    return max(0.0, (row[0] - timezone.now()).total_seconds())
+    return max(0.0, float((row[0] - timezone.now()).total_seconds()))
 
 
 class _Bounded:
@@ -340,7 +340,7 @@ class _Bounded:
 
     def getreply(self) -> tuple[int, bytes]:
         self._within_deadline()
-        return super().getreply()  # type: ignore[misc]
+        return super().getreply()  # type: ignore[misc,no-any-return]
 
 
 class _BoundedSMTP(_Bounded, smtplib.SMTP):

@@ -242,7 +242,7 @@ class _Scrape(Collector):
     def collect(self) -> Iterable[Metric]:
         if conf.prometheus_multiproc_dir():
             shared = CollectorRegistry()
-            multiprocess.MultiProcessCollector(shared)
+            multiprocess.MultiProcessCollector(shared)  # type: ignore[no-untyped-call]
             yield from shared.collect()
         else:
             yield from REGISTRY.collect()

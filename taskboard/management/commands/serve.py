@@ -49,7 +49,7 @@ def _from_environment(setting: conf.Setting[Any], parse: Callable[[str], int]) -
 
 
 def uses_embedded_database() -> bool:
-    return settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded"
+    return bool(settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded")
 
 
 class Command(BaseCommand):
