@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mkdocs.structure.files import File, Files
+if TYPE_CHECKING:
+    from mkdocs.structure.files import Files
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENAPI = ROOT / "board" / "api" / "openapi.yaml"
@@ -22,6 +23,9 @@ SETTINGS_TABLE = "<!-- the settings' table: board.conf.markdown_table() -->"
 
 
 def on_files(files: Files, config: Any) -> Files:
+    # Imported here: tests/test_conf.py reads this module where MkDocs is not installed.
+    from mkdocs.structure.files import File
+
     files.append(File.generated(config, "reference/openapi.yaml", abs_src_path=str(OPENAPI)))
     return files
 
