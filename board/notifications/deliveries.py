@@ -86,7 +86,7 @@ DATABASE_RETRY_SECONDS = 2.0
 
 
 def timeout_seconds() -> float:
-    return float(conf.webhook_timeout_seconds())
+    return conf.webhook_timeout_seconds()
 
 
 def lease_seconds() -> float:
