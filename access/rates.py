@@ -29,11 +29,11 @@ import math
 from enum import StrEnum
 from pathlib import Path
 
-from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
 from django.db import connection
 
+from board import conf
 from board.exceptions import RateLimited
 from board.sql import load
 
@@ -52,8 +52,8 @@ class Write(StrEnum):
 def limit(kind: Write) -> int:
     """Return the writes of ``kind`` a user may make a minute (0: no limit)."""
     if kind is Write.CREATE:
-        return int(settings.TASKBOARD_CREATE_RATE)
-    return int(settings.TASKBOARD_COMMENT_RATE)
+        return int(conf.create_rate())
+    return int(conf.comment_rate())
 
 
 def spend(user: AbstractBaseUser | AnonymousUser, kind: Write, count: int = 1) -> None:
@@ -95,4 +95,4 @@ def retry_after(user: AbstractBaseUser | AnonymousUser, kind: Write, count: int 
         wait = left - length * (room - current) / previous
     else:
         wait = 0.0  # it fits now: the refusal raced writes that have since been counted
-    return max(1, math.ceil(wait))
+    return max(1, math.ceil(float(wait)))

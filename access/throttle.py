@@ -42,11 +42,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import NoReverseMatch, reverse
 
+from board import conf
 from board.http.errors import error_response
 from board.http.middleware import database_unavailable, is_database_outage
 from board.sql import load
@@ -63,12 +63,12 @@ METRICS_PATH = "/metrics"  # board.ops.metrics: staff tokens are tried there too
 
 def limit() -> int:
     """Return the failures an address may make in a window (0: no throttle)."""
-    return int(getattr(settings, "TASKBOARD_AUTH_FAILURE_LIMIT", 30))
+    return conf.auth_failure_limit()
 
 
 def window() -> int:
     """Return the window's length in seconds."""
-    return max(1, int(getattr(settings, "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60)))
+    return max(1, conf.auth_failure_window_seconds())
 
 
 class CleanAddresses:
@@ -164,7 +164,7 @@ def retry_after(address: str) -> int | None:
         wait = left + length * (1 - allowed / current)
     else:
         wait = left - length * (allowed - current) / previous
-    return max(1, math.ceil(wait))
+    return max(1, math.ceil(float(wait)))
 
 
 class Throttled(Exception):

@@ -13,8 +13,6 @@ import threading
 import time
 from typing import Any
 
-from django.conf import settings
-
 from benchmarks.harness import (
     Database,
     ScenarioResult,
@@ -26,6 +24,7 @@ from benchmarks.harness import (
     ratio,
     run_threads,
 )
+from board import conf
 
 TITLE = "API against the limit (8 agents, claim+complete)"
 AGENTS = 8
@@ -162,5 +161,5 @@ def run(ctx: Any, result: ScenarioResult) -> None:
         f"{AGENTS} agents; median of {rounds} round(s) of {seconds:.0f} s each, API and raw SQL "
         "alternating; raw SQL = board/sql/transitions.sql 'claim' and 'complete' over 8 psycopg "
         "connections; the server runs with its defaults (one process per CPU, "
-        f"{settings.TASKBOARD_THREADS} threads each), access log off"
+        f"{conf.threads()} threads each), access log off"
     )

@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 import benchmarks
 from benchmarks import soak
 from benchmarks.harness import ServerParams
+from board import conf
 
 
 class Benchmark(BaseCommand):
@@ -71,7 +72,7 @@ class Benchmark(BaseCommand):
             server = ServerParams.from_url(options["database_url"])
         else:
             server = ServerParams.from_django()
-        output = options["output"] or Path(settings.DATA_DIR) / "benchmark" / "results.json"
+        output = options["output"] or Path(conf.data_dir()) / "benchmark" / "results.json"
         try:
             benchmarks.run(
                 quick=options["quick"],
@@ -147,7 +148,7 @@ class Soak(BaseCommand):
             server = ServerParams.from_url(options["database_url"])
         else:
             server = ServerParams.from_django()
-        output = options["output"] or Path(settings.DATA_DIR) / "soak" / "results.json"
+        output = options["output"] or Path(conf.data_dir()) / "soak" / "results.json"
         try:
             data = soak.run(
                 seconds=seconds,

@@ -556,7 +556,8 @@ class Server:
 
     def start(self, timeout: float = 60) -> Server:
         import httpx
-        from django.conf import settings
+
+        from board import conf
 
         env = {
             **os.environ,
@@ -572,7 +573,7 @@ class Server:
             # enough for the paths of Pushpin's Unix sockets (108 bytes at most).
             self.data_dir = Path(tempfile.mkdtemp(prefix="tb-bench-", dir=short_temp_dir()))
             env["TASKBOARD_DATA_DIR"] = str(self.data_dir)
-            env["SECRET_KEY"] = settings.SECRET_KEY
+            env["SECRET_KEY"] = conf.secret_key()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
-
 from benchmarks.fanout import deliver, produce
 from benchmarks.harness import Helper, Sampler, ScenarioResult, create_agents
+from board import conf
 
 TITLE = "Waiting agents (claims with wait, tasks created one by one)"
 INTERVAL = 0.1
@@ -46,6 +45,6 @@ def run(ctx: Any, result: ScenarioResult) -> None:
         f"{waiters:,} waiting claims, {len(commits)} tasks created {INTERVAL * 1000:.0f} ms "
         f"apart; p90 {report['p90']:.1f} ms, max {report['max']:.1f} ms; connections active "
         f"at once (max) {sampler.max_active}; each server process runs "
-        f"{settings.TASKBOARD_THREADS} worker threads (the default), "
+        f"{conf.threads()} worker threads (the default), "
         "each keeping its connection between requests"
     )

@@ -95,7 +95,7 @@ class EscalatedTaskAdmin(ReadOnlyTaskAdmin):
     triage_form_template = "admin/escalations/triage_form.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EscalatedTask]:
-        return super().get_queryset(request).with_escalation()  # type: ignore[attr-defined]
+        return super().get_queryset(request).with_escalation()  # type: ignore[attr-defined,no-any-return]
 
     @admin.display(description="last error")
     def last_error_summary(self, task: EscalatedTask) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from django.db import models
 from django.db.models import OuterRef, Subquery
@@ -25,17 +25,20 @@ class EscalatedTaskQuerySet(TaskQuerySet):
         latest = TaskEvent.objects.filter(task=OuterRef("pk"), type=EventType.ESCALATED).order_by(
             "-id"
         )
-        return self.annotate(
-            escalated_at=Subquery(latest.values("created_at")[:1]),
-            escalation_reason=Subquery(
-                latest.annotate(reason=KT("payload__reason")).values("reason")[:1]
+        return cast(
+            EscalatedTaskQuerySet,
+            self.annotate(
+                escalated_at=Subquery(latest.values("created_at")[:1]),
+                escalation_reason=Subquery(
+                    latest.annotate(reason=KT("payload__reason")).values("reason")[:1]
+                ),
             ),
         )
 
 
 class EscalatedTaskManager(models.Manager.from_queryset(EscalatedTaskQuerySet)):  # type: ignore[misc]
     def get_queryset(self) -> EscalatedTaskQuerySet:
-        return super().get_queryset().escalated()
+        return cast(EscalatedTaskQuerySet, super().get_queryset().escalated())
 
 
 class EscalatedTask(Task):

@@ -32,10 +32,11 @@ from typing import Any
 
 import django
 from a2wsgi import WSGIMiddleware
-from django.conf import settings
 from django.core.handlers.wsgi import WSGIHandler
 from django.db import connections
 from django.http import HttpRequest, HttpResponseBase
+
+from board import conf
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskboard.settings")
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Releasing:
 django.setup(set_prefix=False)
 django_application = WSGIMiddleware(
     ReleasingHandler(),  # type: ignore[arg-type]
-    workers=settings.TASKBOARD_THREADS,
+    workers=conf.threads(),
 )
 
 from board.http.asgi_tools import closing  # noqa: E402
@@ -181,7 +182,7 @@ async def serve_mcp(started: asyncio.Event) -> None:
 
 async def close_worker_connections() -> None:
     """Close the database connection that each worker thread keeps between requests."""
-    workers = settings.TASKBOARD_THREADS
+    workers = conf.threads()
     barrier = threading.Barrier(workers)
 
     def close() -> None:

@@ -40,7 +40,7 @@ def server_command(argv: list[str], prog: str = "taskboard") -> None:
     try:
         from django.conf import settings
 
-        settings.DATA_DIR  # noqa: B018 (read the settings now: their errors are said below)
+        settings.INSTALLED_APPS  # noqa: B018 (read the settings now: their errors are said below)
         if serving.found is not None:
             print(
                 f"{prog} {command}: no database here; using the one `taskboard serve` runs "

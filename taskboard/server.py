@@ -42,6 +42,8 @@ from django.core.exceptions import ImproperlyConfigured
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
+from board import conf
+
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -355,14 +357,16 @@ def _share_metrics() -> str | None:
     ``serve``, so that no count of an earlier run is added in; the operator's own directory
     is emptied of an earlier run's files (prometheus_client sums every file there).
     """
-    if own := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if own := conf.prometheus_multiproc_dir():
         if not os.path.isdir(own):
             raise ImproperlyConfigured(f"PROMETHEUS_MULTIPROC_DIR is not a directory: {own}")
         for stale in Path(own).glob("*.db"):
             stale.unlink(missing_ok=True)
         return None
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="taskboard-metrics-")
-    return os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory = tempfile.mkdtemp(
+        prefix="taskboard-metrics-"
+    )
+    return directory
 
 
 def on_exit_signal(callback: Callable[[], None]) -> None:

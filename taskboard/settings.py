@@ -1,64 +1,30 @@
-"""Django settings, read from the environment (see the README's Configuration section)."""
+"""Django settings, built from the environment by board.conf's declarations (each
+variable's type, default and range is there)."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 import secrets
-from email.utils import parseaddr
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
 import dj_email_url
-import psycopg
 from django.core.exceptions import ImproperlyConfigured
-from psycopg.conninfo import conninfo_to_dict
 
+from board import conf
 from taskboard.embedded import serving
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
-def env_bool(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value.lower() in {"1", "true", "yes", "on"}:
-        return True
-    if value.lower() in {"0", "false", "no", "off"}:
-        return False
-    raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false), not {value!r}")
-
-
-def env_int(
-    name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
+def env_url(setting: conf.Setting[str], parse: Any, **kwargs: Any) -> Any:
+    """``parse`` (dj-database-url's, dj-email-url's) the URL in ``setting``'s variable, or
+    name it in ImproperlyConfigured."""
     try:
-        number = int(value)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name} must be an integer, not {value!r}") from None
-    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
-        raise ImproperlyConfigured(f"{name} must be {bounds}, not {value!r}")
-    return number
-
-
-def env_url(name: str, parse: Any, **kwargs: Any) -> Any:
-    """``parse`` (dj-database-url's, dj-email-url's) the URL in ``name``, or name it in
-    ImproperlyConfigured."""
-    try:
-        return parse(os.environ[name], **kwargs)
+        return parse(setting.from_environment(), **kwargs)
     except (ValueError, KeyError) as exc:
-        raise ImproperlyConfigured(f"{name} is not a URL it can use: {exc}") from None
-
-
-def env_list(name: str, default: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+        raise ImproperlyConfigured(f"{setting.env} is not a URL it can use: {exc}") from None
 
 
 def _data_dir() -> Path:
@@ -68,7 +34,7 @@ def _data_dir() -> Path:
     run with neither variable set where there is no database: the data directory of the
     one ``taskboard serve`` running on an embedded database, when there is exactly one.
     """
-    if chosen := os.environ.get("TASKBOARD_DATA_DIR"):
+    if chosen := conf.data_dir.raw():
         return Path(chosen).resolve()
     here = (Path.cwd() / ".taskboard").resolve()
     if not _refused_here(here):
@@ -85,7 +51,7 @@ def _refused_here(data_dir: Path) -> bool:
     ``data_dir``: it may not make one, and there is none there."""
     return (
         serving.only_existing
-        and not os.environ.get("DATABASE_URL")
+        and not conf.database_url.raw()
         and not (data_dir / "pgdata" / "PG_VERSION").exists()
     )
 
@@ -93,12 +59,12 @@ def _refused_here(data_dir: Path) -> bool:
 # Where the embedded database, the generated secret key and collected static files live.
 DATA_DIR = _data_dir()
 
-DEBUG = env_bool("DEBUG", False)
+DEBUG = conf.debug.from_environment()
 
 
 def _secret_key() -> str:
     """Return SECRET_KEY, or a random key kept in the data directory across restarts."""
-    if key := os.environ.get("SECRET_KEY"):
+    if key := conf.secret_key.raw():
         return key
     path = DATA_DIR / "secret_key"
     try:
@@ -122,8 +88,8 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
-CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
+ALLOWED_HOSTS = conf.allowed_hosts.from_environment()
+CSRF_TRUSTED_ORIGINS = conf.csrf_trusted_origins.from_environment()
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -163,13 +129,13 @@ MIDDLEWARE = [
 
 # TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
 # that terminates TLS and sets X-Forwarded-Proto (README, "Deploying at scale").
-TASKBOARD_HTTPS = env_bool("TASKBOARD_HTTPS", False)
+TASKBOARD_HTTPS = conf.https.from_environment()
 if TASKBOARD_HTTPS:
     # Session and CSRF cookies are never sent over plain HTTP.
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
     # Browsers use HTTPS only for this host from their first visit on, for a year.
-    SECURE_HSTS_SECONDS = env_int("TASKBOARD_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
+    SECURE_HSTS_SECONDS = conf.hsts_seconds.from_environment()
     # Whether the client's request came over TLS is the request's scheme, which uvicorn
     # takes from X-Forwarded-Proto only when the peer is in FORWARDED_ALLOW_IPS (no
     # SECURE_PROXY_SSL_HEADER: Django would believe that header from any peer).
@@ -218,13 +184,13 @@ ASGI_APPLICATION = "taskboard.asgi.application"
 
 # A set DATABASE_URL always wins; without it, an embedded PostgreSQL under DATA_DIR is
 # started on the first connection (taskboard.embedded).
-if os.environ.get("DATABASE_URL"):
+if conf.database_url.raw():
     DATABASES = {
         "default": env_url(
-            "DATABASE_URL",
+            conf.database_url,
             dj_database_url.parse,
-            conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 300, minimum=0),
-            conn_health_checks=env_bool("DATABASE_HEALTH_CHECKS", True),
+            conn_max_age=conf.database_conn_max_age.from_environment(),
+            conn_health_checks=conf.database_health_checks.from_environment(),
         )
     }
     # Django's engine with a cheaper check of kept connections (taskboard/postgresql).
@@ -236,8 +202,8 @@ else:
             "ENGINE": "taskboard.embedded",
             "NAME": "taskboard",
             "USER": "postgres",
-            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300, minimum=0),
-            "CONN_HEALTH_CHECKS": env_bool("DATABASE_HEALTH_CHECKS", True),
+            "CONN_MAX_AGE": conf.database_conn_max_age.from_environment(),
+            "CONN_HEALTH_CHECKS": conf.database_health_checks.from_environment(),
             "OPTIONS": {"data_dir": str(DATA_DIR / "pgdata")},
         }
     }
@@ -245,41 +211,32 @@ else:
 # LISTEN, and replays of old events), when DATABASE_URL goes through a pooler in transaction
 # mode (PgBouncer), which cannot carry a LISTEN. Then no server-side cursor is used either:
 # it would outlive the transaction that its pooled connection was lent for.
-DATABASE_LISTEN_URL = os.environ.get("DATABASE_LISTEN_URL") or None
-if DATABASE_LISTEN_URL:
-    try:
-        conninfo_to_dict(DATABASE_LISTEN_URL)
-    except psycopg.ProgrammingError as exc:
-        raise ImproperlyConfigured(
-            f"DATABASE_LISTEN_URL is not a URL it can use: {str(exc).strip()}"
-        ) from None
+DATABASE_LISTEN_URL = conf.database_listen_url.from_environment() or None
 
 # board.transitions prepares its statements on each session (planned once, not at every
 # call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
 # which lends each transaction another server connection (see the README).
-DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATABASE_LISTEN_URL)
+DATABASE_PREPARED_STATEMENTS = (
+    conf.database_prepared_statements.from_environment()
+    if conf.database_prepared_statements.raw() is not None
+    else not DATABASE_LISTEN_URL
+)
 
 # Pushpin's publish endpoint and request signature (board.live.grip; django-grip's format):
 # streams are then held in Pushpin. `serve --pushpin` sets it for its processes.
-GRIP_URL = os.environ.get("GRIP_URL", "")
-if GRIP_URL and not GRIP_URL.lower().startswith(("http://", "https://")):
-    raise ImproperlyConfigured(f"GRIP_URL must be an http or https URL, not {GRIP_URL!r}")
+GRIP_URL = conf.grip_url.from_environment()
 # How often Pushpin asks the board about each stream it holds: its credentials are checked
 # again (a revoked one ends the stream). Every held stream costs a request this often.
-TASKBOARD_HELD_STREAM_RECHECK_SECONDS = env_int(
-    "TASKBOARD_HELD_STREAM_RECHECK_SECONDS", 600, minimum=1
-)
+TASKBOARD_HELD_STREAM_RECHECK_SECONDS = conf.held_stream_recheck_seconds.from_environment()
 # How much memory each server process keeps of the latest events (board.live.relay), from which
 # a stream that reconnects is replayed; older gaps are read from task_events. At least
 # one event's worth (a streamed event is at most 64 KiB).
-TASKBOARD_STREAM_BUFFER_BYTES = env_int(
-    "TASKBOARD_STREAM_BUFFER_BYTES", 64 * 2**20, minimum=2**20, maximum=2**40
-)
+TASKBOARD_STREAM_BUFFER_BYTES = conf.stream_buffer_bytes.from_environment()
 if DATABASE_LISTEN_URL:
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
-    "connect_timeout", env_int("DATABASE_CONNECT_TIMEOUT", 5, minimum=1)
+    "connect_timeout", conf.database_connect_timeout.from_environment()
 )
 if DATABASE_PREPARED_STATEMENTS:
     # Django's default (None) turns psycopg's prepared statements off on the connection,
@@ -365,34 +322,25 @@ SPECTACULAR_SETTINGS = {
 
 # Worker threads per server process for pages and API requests; each keeps one database
 # connection (taskboard/asgi.py). Streams and waiting claims use none of them while open.
-TASKBOARD_THREADS = env_int("TASKBOARD_THREADS", 4, minimum=1)
+TASKBOARD_THREADS = conf.threads.from_environment()
 
 # Seconds a request body may take to arrive in full; a slower one is refused with 408.
 # Bodies are read before a request takes a worker thread (board.http.middleware.RequestBodyLimit).
-TASKBOARD_BODY_TIMEOUT = env_int("TASKBOARD_BODY_TIMEOUT", 30, minimum=1)
+TASKBOARD_BODY_TIMEOUT = conf.body_timeout.from_environment()
 
 # Seconds a connection has to send a request's complete headers, from when it opens (or,
 # between requests, from the request's first byte); past it the connection is closed
 # (taskboard.server.HttpToolsProtocol). An open response (a stream) is never cut by it.
-TASKBOARD_HEADER_TIMEOUT = env_int("TASKBOARD_HEADER_TIMEOUT", 10, minimum=1, maximum=3600)
+TASKBOARD_HEADER_TIMEOUT = conf.header_timeout.from_environment()
 
 # The proxies whose X-Forwarded-For and X-Forwarded-Proto are believed: addresses or
 # networks (10.0.0.0/8), comma-separated, or * (every peer). Empty by default: a client on
 # the server's own host is no proxy. `serve --pushpin` adds the address its own Pushpin
 # connects from (taskboard.management.commands.serve).
-FORWARDED_ALLOW_IPS = env_list("FORWARDED_ALLOW_IPS", "")
-for _proxy in FORWARDED_ALLOW_IPS:
-    try:
-        if _proxy != "*":
-            ipaddress.ip_network(_proxy)
-    except ValueError:
-        raise ImproperlyConfigured(
-            f"FORWARDED_ALLOW_IPS must be IP addresses or networks, comma-separated (or *), "
-            f"not {_proxy!r}"
-        ) from None
+FORWARDED_ALLOW_IPS = conf.forwarded_allow_ips.from_environment()
 
 # Seconds GET /healthz waits for the database's answer before it answers 503 (board.ops.health).
-TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
+TASKBOARD_HEALTH_TIMEOUT = conf.health_timeout.from_environment()
 
 # Seconds a server process of ``serve --workers N`` may leave its supervisor's check (made
 # every half second, answered by a thread of its own) unanswered before it is killed and
@@ -400,87 +348,77 @@ TASKBOARD_HEALTH_TIMEOUT = env_int("TASKBOARD_HEALTH_TIMEOUT", 3, minimum=1)
 # uvicorn's 5 s killed a process paused any longer; a stopped process is meant to carry on
 # where it was when continued (a resumed stream repeats nothing, its claims are counted).
 # 30 s, as gunicorn's worker timeout: a process frozen for good still goes in half a minute.
-TASKBOARD_WORKER_TIMEOUT = env_int("TASKBOARD_WORKER_TIMEOUT", 30, minimum=1, maximum=86_400)
+TASKBOARD_WORKER_TIMEOUT = conf.worker_timeout.from_environment()
 
 # Seconds an API token's lookup is remembered by a server process (0: look up every time).
 # A deleted token or a deactivated user is refused at most this long after the change.
-TASKBOARD_TOKEN_CACHE_SECONDS = env_int("TASKBOARD_TOKEN_CACHE_SECONDS", 10, minimum=0)
+TASKBOARD_TOKEN_CACHE_SECONDS = conf.token_cache_seconds.from_environment()
 
 # GET /metrics (board.ops.metrics) answers anyone when true; otherwise staff only (a staff
 # user's API token, or a staff session), as the API authenticates.
-TASKBOARD_METRICS_PUBLIC = env_bool("TASKBOARD_METRICS_PUBLIC", False)
+TASKBOARD_METRICS_PUBLIC = conf.metrics_public.from_environment()
 
 # Failed authentications (401s, failed logins) an address may make in a window of this
 # many seconds; past them it is answered 429 until the window ends (access.throttle).
 # 0: no throttle.
-TASKBOARD_AUTH_FAILURE_LIMIT = env_int("TASKBOARD_AUTH_FAILURE_LIMIT", 30, minimum=0)
-TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = env_int(
-    "TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS", 60, minimum=1
-)
+TASKBOARD_AUTH_FAILURE_LIMIT = conf.auth_failure_limit.from_environment()
+TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = conf.auth_failure_window_seconds.from_environment()
 
 # Tasks a user may create, and comments write, a minute, counted in the database across
 # every server process (access.rates); beyond, 429 rate_limited with Retry-After. 0: no
 # limit.
-TASKBOARD_CREATE_RATE = env_int("TASKBOARD_CREATE_RATE", 6000, minimum=0)
-TASKBOARD_COMMENT_RATE = env_int("TASKBOARD_COMMENT_RATE", 600, minimum=0)
+TASKBOARD_CREATE_RATE = conf.create_rate.from_environment()
+TASKBOARD_COMMENT_RATE = conf.comment_rate.from_environment()
 
 # Seconds an MCP session over Streamable HTTP (/mcp/) may be idle (no request in flight, no
 # open stream) before it ends and its leases stop being renewed (board.mcp.endpoint). The SDK's
 # client keeps a stream open for as long as it runs, so this is how long a vanished client's
 # tasks stay held, before their leases run out.
-TASKBOARD_MCP_SESSION_IDLE_SECONDS = env_int("TASKBOARD_MCP_SESSION_IDLE_SECONDS", 120)
-if TASKBOARD_MCP_SESSION_IDLE_SECONDS < 1:
-    raise ImproperlyConfigured("TASKBOARD_MCP_SESSION_IDLE_SECONDS must be 1 or more.")
+TASKBOARD_MCP_SESSION_IDLE_SECONDS = conf.mcp_session_idle_seconds.from_environment()
 
 # Under `taskboard serve --workers N` (N > 1): the private directory where each of its
 # processes listens on a Unix socket of its own for the /mcp/ requests of its sessions
 # that reach another (board.mcp.forwarding); serve makes it for them. Unset: this process
 # serves its sessions' requests by itself.
-TASKBOARD_SERVE_SOCKETS = os.environ.get("TASKBOARD_SERVE_SOCKETS", "")
+TASKBOARD_SERVE_SOCKETS = conf.serve_sockets.from_environment()
 
-# Lease and strike defaults (board.conf reads these).
-TASKBOARD_LEASE_SECONDS = env_int("TASKBOARD_LEASE_SECONDS", 120, minimum=1, maximum=86400)
-TASKBOARD_MAX_FAILURES = env_int("TASKBOARD_MAX_FAILURES", 3, minimum=1, maximum=100)
+# Lease and strike defaults.
+TASKBOARD_LEASE_SECONDS = conf.lease_seconds.from_environment()
+TASKBOARD_MAX_FAILURES = conf.max_failures.from_environment()
 # How long one attempt may hold a task that sets no max_attempt_seconds, however often its
 # holder heartbeats (1..604800 seconds; unset or 0: no limit).
-TASKBOARD_MAX_ATTEMPT_SECONDS = env_int("TASKBOARD_MAX_ATTEMPT_SECONDS", 0) or None
-if TASKBOARD_MAX_ATTEMPT_SECONDS is not None and not 1 <= TASKBOARD_MAX_ATTEMPT_SECONDS <= 604800:
-    raise ImproperlyConfigured("TASKBOARD_MAX_ATTEMPT_SECONDS must be 1..604800 seconds, or unset.")
+TASKBOARD_MAX_ATTEMPT_SECONDS = conf.max_attempt_seconds.from_environment()
 
 # Telling humans (board.notifications.deliveries): webhooks and escalation emails, delivered by the
 # server processes themselves. The board's address as people reach it, for the links in
 # Slack messages and emails to a task's admin page.
-TASKBOARD_PUBLIC_URL = os.environ.get("TASKBOARD_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+TASKBOARD_PUBLIC_URL = conf.public_url.from_environment().rstrip("/")
 # Seconds a receiver has to answer a delivery with a 2xx (the contract's 10 s).
-TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = env_int("TASKBOARD_WEBHOOK_TIMEOUT_SECONDS", 10, minimum=1)
+TASKBOARD_WEBHOOK_TIMEOUT_SECONDS = conf.webhook_timeout_seconds.from_environment()
 # Whether webhooks may reach loopback, private, link-local and other non-public addresses
 # (board.notifications.webhook_addresses): off, staff could probe the server's own network
 # through them.
-TASKBOARD_WEBHOOK_ALLOW_PRIVATE = env_bool("TASKBOARD_WEBHOOK_ALLOW_PRIVATE", False)
+TASKBOARD_WEBHOOK_ALLOW_PRIVATE = conf.webhook_allow_private.from_environment()
 # A failed attempt is retried after a random delay of up to BACKOFF * 2^(attempts-1) seconds
 # (at most MAX_BACKOFF: exponential backoff, full jitter), for HORIZON seconds after the
 # event (the contract's 24 hours), then marked failed.
-TASKBOARD_DELIVERY_BACKOFF_SECONDS = env_int("TASKBOARD_DELIVERY_BACKOFF_SECONDS", 10, minimum=1)
-TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = env_int(
-    "TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS", 3600, minimum=1
-)
-TASKBOARD_DELIVERY_HORIZON_SECONDS = env_int(
-    "TASKBOARD_DELIVERY_HORIZON_SECONDS", 24 * 3600, minimum=1
-)
+TASKBOARD_DELIVERY_BACKOFF_SECONDS = conf.delivery_backoff_seconds.from_environment()
+TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS = conf.delivery_max_backoff_seconds.from_environment()
+TASKBOARD_DELIVERY_HORIZON_SECONDS = conf.delivery_horizon_seconds.from_environment()
 # EMAIL_URL (smtp://user:password@host:587/?tls=True, parsed by dj-email-url): when set,
 # every escalation is emailed to TASKBOARD_ESCALATION_EMAILS (default: every active staff
 # user with an email).
 # When EMAIL_URL is set, the password reset pages are served too, their emails delivered
 # as the escalations' are (board.pages.views.PasswordResetView); unset, there are none.
-DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "taskboard@localhost")
-EMAIL_URL = os.environ.get("EMAIL_URL", "")
+DEFAULT_FROM_EMAIL = conf.default_from_email.from_environment()
+EMAIL_URL = conf.email_url.from_environment()
 # Seconds each SMTP read or write may wait, for any email sent through Django (Django's
 # default is none: forever). board.notifications.deliveries bounds its whole session more tightly.
 # EMAIL_URL's ?timeout= wins.
-EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+EMAIL_TIMEOUT = conf.email_timeout.from_environment()
 if EMAIL_URL:
     # EMAIL_BACKEND, EMAIL_HOST, EMAIL_PORT, EMAIL_HOST_USER, ... (and ?_default_from_email=).
-    _email = env_url("EMAIL_URL", dj_email_url.parse)
+    _email = env_url(conf.email_url, dj_email_url.parse)
     if _email.get("EMAIL_BACKEND") is None:
         # dj-email-url reads any text: a scheme it does not know leaves no backend, and
         # every email would then fail, until each one's horizon.
@@ -492,24 +430,10 @@ if EMAIL_URL:
     if _email.get("EMAIL_TIMEOUT") is None:
         _email.pop("EMAIL_TIMEOUT", None)
     vars().update(_email)
-TASKBOARD_ESCALATION_EMAILS = env_list("TASKBOARD_ESCALATION_EMAILS", "")
-for _address in TASKBOARD_ESCALATION_EMAILS:
-    # As an email's To: takes them: "Ops <ops@example.com>", or a host without a dot
-    # (ops@intranet); only text that names no mailbox at all is refused.
-    _mailbox = parseaddr(_address)[1]
-    if not re.fullmatch(r"[^@\s]+@[^@\s]+", _mailbox):
-        raise ImproperlyConfigured(
-            f"TASKBOARD_ESCALATION_EMAILS must be email addresses, comma-separated: not "
-            f"{_address!r}"
-        )
+TASKBOARD_ESCALATION_EMAILS = conf.escalation_emails.from_environment()
 
 # Any case, as uvicorn takes it (serve passes it on): logging wants upper case.
-LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "INFO").upper()
-if LOG_LEVEL not in {"CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"}:
-    raise ImproperlyConfigured(
-        f"LOG_LEVEL must be critical, error, warning, info or debug, not "
-        f"{os.environ['LOG_LEVEL']!r}"
-    )
+LOG_LEVEL = conf.log_level.from_environment()
 
 LOGGING = {
     "version": 1,

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-from django.conf import settings
 from django.contrib import admin
 from django.contrib.auth import urls as auth_urls
 from django.templatetags.static import static
 from django.urls import URLPattern, URLResolver, include, path
 from django.views.generic import RedirectView
 
+from board import conf
 from board.ops.health import healthz
 from board.ops.metrics import MetricsView
 from board.pages.views import PasswordResetView
@@ -25,7 +25,7 @@ def account_urls() -> list[URLPattern | URLResolver]:
     only tell anyone who asks which addresses have accounts. The form is the board's,
     which queues the email (board.pages.views.PasswordResetView)."""
     pages = [p for p in auth_urls.urlpatterns if getattr(p, "name", None) != "password_reset"]
-    if not settings.EMAIL_URL:
+    if not conf.email_url():
         return [p for p in pages if getattr(p, "name", None) not in PASSWORD_RESET_PAGES]
     return [path("password_reset/", PasswordResetView.as_view(), name="password_reset"), *pages]
 

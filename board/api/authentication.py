@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.conf import settings
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.request import Request
 
 from access import tokens
+from board import conf
 
 
 class BearerTokenAuthentication(BaseAuthentication):
@@ -67,7 +67,7 @@ class BearerTokenAuthentication(BaseAuthentication):
 
 def _cached(digest: str) -> tuple[Any, Any] | None:
     cached = _token_cache.get(digest)
-    ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
+    ttl = conf.token_cache_seconds()
     if ttl > 0 and cached is not None and cached[2] > time.monotonic():
         return cached[0], cached[1]
     return None
@@ -82,7 +82,7 @@ def cached_user(digest: str) -> Any:
 
 def remember(digest: str, user: Any, token: Any = None) -> None:
     """Cache a successful lookup of the token with this digest (an active user)."""
-    ttl = settings.TASKBOARD_TOKEN_CACHE_SECONDS
+    ttl = conf.token_cache_seconds()
     if ttl > 0:
         if len(_token_cache) >= _TOKEN_CACHE_SIZE:
             _token_cache.clear()

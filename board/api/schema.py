@@ -128,7 +128,7 @@ class BoardAutoSchema(AutoSchema):
         return serializer is not None and is_list_serializer(serializer)
 
     def _insert_field_validators(self, field: Any, schema: dict[str, Any]) -> None:
-        super()._insert_field_validators(field, schema)
+        super()._insert_field_validators(field, schema)  # type: ignore[no-untyped-call]
         # drf-spectacular offers "" as a second choice (oneOf) beside a pattern; the text
         # patterns above accept "" already, and a oneOf that matches twice matches nothing.
         blank = {"type": "string", "maxLength": 0}

@@ -53,9 +53,9 @@ import httpx
 import jwt
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESSIV
-from django.conf import settings
 from gripcontrol import Channel, create_grip_channel_header, parse_grip_uri, validate_sig
 
+from board import conf
 from board.access import QueueAccess
 from board.live.relay import Relay, StreamEvent
 
@@ -93,7 +93,7 @@ def config() -> Grip | None:
     signs its requests with (its ``sig_iss`` and ``sig_key``). ``iss`` and ``key``, if
     given, sign the publish requests.
     """
-    url = settings.GRIP_URL
+    url = conf.grip_url()
     if url not in _config:
         grip = None
         if url:
@@ -134,7 +134,7 @@ def last_id(headers: dict[str, str]) -> int | None:
 
 
 def _cipher() -> AESSIV:
-    key = hashlib.sha512(b"taskboard.grip.link:" + settings.SECRET_KEY.encode()).digest()
+    key = hashlib.sha512(b"taskboard.grip.link:" + conf.secret_key().encode()).digest()
     return AESSIV(key)
 
 
@@ -168,7 +168,7 @@ def unseal(sealed: str) -> tuple[tuple[str, str], int] | None:
 
 def recheck_seconds() -> int:
     """How often Pushpin asks again for a held stream (its credentials are re-checked)."""
-    return max(1, int(settings.TASKBOARD_HELD_STREAM_RECHECK_SECONDS))
+    return max(1, int(conf.held_stream_recheck_seconds()))
 
 
 def queue_channel(queue: str) -> str:

@@ -42,12 +42,12 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import connection
 from django_eventstream.utils import sse_encode_event
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from board import conf
 from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
@@ -321,14 +321,14 @@ def django_conninfo(application_name: str = "taskboard-relay") -> str:
     goes through a pooler in transaction mode (PgBouncer), which cannot carry a LISTEN.
     """
     params = connection.get_connection_params()
-    if settings.DATABASE_LISTEN_URL:
+    if conf.database_listen_url():
         # Give up on a host that never answers as Django's connections do, unless the URL
         # says otherwise (libpq's default is to wait for ever).
         extra = {"application_name": application_name}
-        given = psycopg.conninfo.conninfo_to_dict(settings.DATABASE_LISTEN_URL)
+        given = psycopg.conninfo.conninfo_to_dict(conf.database_listen_url())
         if "connect_timeout" not in given and params.get("connect_timeout") is not None:
             extra["connect_timeout"] = params["connect_timeout"]
-        return psycopg.conninfo.make_conninfo(settings.DATABASE_LISTEN_URL, **extra)
+        return psycopg.conninfo.make_conninfo(conf.database_listen_url(), **extra)
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
     kept = {
         key: value
@@ -940,12 +940,12 @@ async def get_relay() -> Relay:
     if relay is None:
         conninfo = await sync_to_async(django_conninfo)()
         # Behind Pushpin (GRIP_URL), every process's relay competes to publish (board.live.grip).
-        leader_key = LEADER_LOCK if settings.GRIP_URL else None
+        leader_key = LEADER_LOCK if conf.grip_url() else None
         relay = _relays.get(loop)
         if relay is None:
             relay = _relays[loop] = Relay(
                 conninfo,
-                buffer_bytes=settings.TASKBOARD_STREAM_BUFFER_BYTES,
+                buffer_bytes=conf.stream_buffer_bytes(),
                 leader_key=leader_key,
             )
             relay.credential_listeners.update(_credential_listeners)

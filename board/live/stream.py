@@ -41,6 +41,7 @@ from django.db import DatabaseError, connection
 from django.http import HttpResponse
 
 from access import throttle
+from board import conf
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.api import authentication
 from board.http.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
@@ -210,7 +211,7 @@ def open_stream_count() -> int:
 
 
 def recheck_seconds() -> float:
-    return max(1.0, float(settings.TASKBOARD_TOKEN_CACHE_SECONDS))
+    return max(1.0, float(conf.token_cache_seconds()))
 
 
 def open_stream(credentials: Credentials, access: QueueAccess) -> OpenStream:
@@ -492,7 +493,7 @@ _rechecked: dict[Credentials, tuple[float, QueueAccess | None]] = {}
 def _still_allowed(credentials: Credentials) -> QueueAccess | None:
     now = time.monotonic()
     checked = _rechecked.get(credentials)
-    if checked is not None and now - checked[0] < settings.TASKBOARD_TOKEN_CACHE_SECONDS:
+    if checked is not None and now - checked[0] < conf.token_cache_seconds():
         return checked[1]
     started = authentication.generation()
     access = reauthorize({credentials}, close=False).get(credentials)

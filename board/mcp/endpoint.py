@@ -65,7 +65,6 @@ from typing import Any
 
 import httpx
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import DatabaseError
 from django.http import JsonResponse
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
@@ -395,18 +394,14 @@ class MCPApplication:
     def __init__(self, app: Any) -> None:
         # Set when this is one of several processes of a `serve` (board.mcp.forwarding).
         self.router = (
-            forwarding.Router(Path(settings.TASKBOARD_SERVE_SOCKETS))
-            if settings.TASKBOARD_SERVE_SOCKETS
-            else None
+            forwarding.Router(Path(conf.serve_sockets())) if conf.serve_sockets() else None
         )
-        self.sessions = Sessions(
-            app, settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS, router=self.router
-        )
+        self.sessions = Sessions(app, conf.mcp_session_idle_seconds(), router=self.router)
         self.server = build_server(self.sessions.session_of)
         # Made for its session manager: the requests reach it through __call__, not
         # through this Starlette application.
         self.server.streamable_http_app(
-            session_idle_timeout=settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS,
+            session_idle_timeout=conf.mcp_session_idle_seconds(),
             max_request_body_size=MAX_RPC_BYTES,
             max_sessions=MAX_SESSIONS,
             # Hosts are checked against ALLOWED_HOSTS as for every request (in __call__).

@@ -62,7 +62,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
-from board import sql
+from board import conf, sql
 from board.models import (
     Delivery,
     DeliveryResult,
@@ -94,7 +94,7 @@ DATABASE_RETRY_SECONDS = 2.0
 
 
 def timeout_seconds() -> float:
-    return float(settings.TASKBOARD_WEBHOOK_TIMEOUT_SECONDS)
+    return conf.webhook_timeout_seconds()
 
 
 def lease_seconds() -> float:
@@ -111,8 +111,8 @@ def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
     """Return the delay before the next attempt after ``attempts`` failed ones: full jitter,
     uniform in [0, min(MAX_BACKOFF, BACKOFF * 2^(attempts-1))], so that receivers that come
     back are not met by every sender at once."""
-    base = settings.TASKBOARD_DELIVERY_BACKOFF_SECONDS
-    cap = settings.TASKBOARD_DELIVERY_MAX_BACKOFF_SECONDS
+    base = conf.delivery_backoff_seconds()
+    cap = conf.delivery_max_backoff_seconds()
     ceiling = min(cap, base * 2 ** min(max(attempts, 1) - 1, 40))
     return (rng or random).uniform(0, ceiling)
 
@@ -124,7 +124,7 @@ def admin_url(task: Task) -> str:
         path = reverse("admin:escalations_escalatedtask_change", args=[task.pk])
     else:
         path = reverse("admin:board_task_change", args=[task.pk])
-    return f"{settings.TASKBOARD_PUBLIC_URL}{path}"
+    return f"{conf.public_url()}{path}"
 
 
 def delivery_counts() -> dict[str, int]:
@@ -187,8 +187,8 @@ def _slack_text(event: TaskEvent, task: Task) -> str:
 def _recipients(queue: str) -> list[str]:
     """Who is emailed an escalation in ``queue``: TASKBOARD_ESCALATION_EMAILS, or every
     active staff user with an email who may see that queue (board.access)."""
-    if settings.TASKBOARD_ESCALATION_EMAILS:
-        return list(settings.TASKBOARD_ESCALATION_EMAILS)
+    if conf.escalation_emails():
+        return list(conf.escalation_emails())
     staff = (
         get_user_model()
         .objects.filter(is_active=True, is_staff=True)
@@ -244,7 +244,7 @@ def password_reset_emails(address: str) -> list[EmailMessage]:
     form = PasswordResetEmails({"email": address})
     if not form.is_valid():  # checked when it was queued: a row written by hand
         return []
-    public = urlsplit(settings.TASKBOARD_PUBLIC_URL)
+    public = urlsplit(conf.public_url())
     form.save(
         domain_override=public.netloc,
         use_https=public.scheme == "https",
@@ -312,7 +312,7 @@ def next_due() -> float | None:
         row = cursor.fetchone()
     if row is None or row[0] is None:
         return None
-    return max(0.0, (row[0] - timezone.now()).total_seconds())
+    return max(0.0, float((row[0] - timezone.now()).total_seconds()))
 
 
 class _Bounded:
@@ -348,7 +348,7 @@ class _Bounded:
 
     def getreply(self) -> tuple[int, bytes]:
         self._within_deadline()
-        return super().getreply()  # type: ignore[misc]
+        return super().getreply()  # type: ignore[misc,no-any-return]
 
 
 class _BoundedSMTP(_Bounded, smtplib.SMTP):
@@ -544,7 +544,7 @@ class Dispatcher:
                 status_code=status_code,
                 error=error,
                 retry_in=0 if delivered else backoff_seconds(out.attempts),
-                horizon_seconds=settings.TASKBOARD_DELIVERY_HORIZON_SECONDS,
+                horizon_seconds=conf.delivery_horizon_seconds(),
             )
         except DatabaseError:
             # Not recorded: the lease runs out and the delivery is made again.
@@ -568,7 +568,7 @@ def _close_connection() -> None:
 
 def _sync_email_channel() -> None:
     """Turn the escalation emails on when EMAIL_URL is set, and off when it is not."""
-    wanted = bool(settings.EMAIL_URL)
+    wanted = bool(conf.email_url())
     if wanted or Webhook.objects.filter(kind=WebhookKind.EMAIL, active=True).exists():
         set_email_channel(active=wanted)
 

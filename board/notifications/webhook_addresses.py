@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 
 import httpcore
 import httpx
-from django.conf import settings
+
+from board import conf
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -49,7 +50,7 @@ class AddressRefused(Exception):
 
 
 def allow_private() -> bool:
-    return bool(settings.TASKBOARD_WEBHOOK_ALLOW_PRIVATE)
+    return bool(conf.webhook_allow_private())
 
 
 def is_public(address: Address) -> bool:

@@ -24,12 +24,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from django.conf import settings
 from django.db import DatabaseError, connections
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 
+from board import conf
 from board.http.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
         refused = error_response(405, "method_not_allowed", detail)
         refused["Allow"] = "GET, HEAD"
         return refused
-    timeout = settings.TASKBOARD_HEALTH_TIMEOUT
+    timeout = conf.health_timeout()
     check = current_check(timeout)
     try:
         if check is None:

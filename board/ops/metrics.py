@@ -18,13 +18,11 @@ Two kinds of figures, and where each comes from:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
 from prometheus_client import (
@@ -42,6 +40,7 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
+from board import conf
 from board import queues as board_queues
 from board.notifications.deliveries import delivery_counts
 from board.sql import QUERIES
@@ -241,9 +240,9 @@ class _Scrape(Collector):
         self.board = BoardCollector(snap)
 
     def collect(self) -> Iterable[Metric]:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if conf.prometheus_multiproc_dir():
             shared = CollectorRegistry()
-            multiprocess.MultiProcessCollector(shared)
+            multiprocess.MultiProcessCollector(shared)  # type: ignore[no-untyped-call]
             yield from shared.collect()
         else:
             yield from REGISTRY.collect()
@@ -267,7 +266,7 @@ class MayScrape(BasePermission):
     def has_permission(self, request: Request, view: Any) -> bool:
         from board.access import queue_access
 
-        if settings.TASKBOARD_METRICS_PUBLIC:
+        if conf.metrics_public():
             return True
         # The metrics count every queue's tasks: staff limited to queues do not see the
         # others' (board.access).

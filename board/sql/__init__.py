@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
-from django.conf import settings
 from django.db import connection
 from django.db.models import Field, JSONField, Model
 
+from board import conf
 from board.exceptions import translated_database_errors
 
 _BLOCK = re.compile(r"^-- (?P<kind>name|template): (?P<name>\w+)\s*$", re.MULTILINE)
@@ -82,7 +82,7 @@ def run(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run one statement on Django's connection and return its rows as dicts, with the
     database's errors translated into the board's exceptions."""
     with translated_database_errors(), connection.cursor() as cursor:
-        if settings.DATABASE_PREPARED_STATEMENTS:
+        if conf.database_prepared_statements():
             # Prepared on the session (a server-binding cursor on Django's connection):
             # PostgreSQL then plans each statement once for the session instead of at
             # every call, where planning the claim took longer than running it.

@@ -34,6 +34,7 @@ SERVER_COMMANDS = [
     "migrate",
     "createsuperuser",
     "changepassword",
+    "configuration",
 ]
 # The options Django's BaseCommand gives every management command.
 DJANGO_COMMON = [

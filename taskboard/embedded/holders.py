@@ -25,6 +25,6 @@ class LiveHolders(DiskList):
 def alive(pid: int) -> bool:
     """Return whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False

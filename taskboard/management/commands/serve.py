@@ -18,6 +18,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
 from access import tokens
+from board import conf
 from taskboard import pushpin, server
 from taskboard.embedded import serving
 
@@ -34,21 +35,21 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
-def _from_environment(name: str, parse: Callable[[str], int]) -> int | None:
-    """The value of the environment variable ``name`` (unset or empty: None), or a clear
-    error naming it."""
-    text = os.environ.get(name) or ""
+def _from_environment(setting: conf.Setting[Any], parse: Callable[[str], int]) -> int | None:
+    """The value of ``setting``'s environment variable (unset or empty: None), parsed as the
+    option's own value is, or a clear error naming it."""
+    text = setting.raw()
     if not text:
         return None
     try:
         return parse(text)
     except argparse.ArgumentTypeError as exc:
-        print(f"taskboard serve: {name} {exc}", file=sys.stderr)
+        print(f"taskboard serve: {setting.env} {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def uses_embedded_database() -> bool:
-    return settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded"
+    return bool(settings.DATABASES["default"]["ENGINE"] == "taskboard.embedded")
 
 
 class Command(BaseCommand):
@@ -56,12 +57,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         # Empty variables count as unset, as WEB_CONCURRENCY below and settings' env_int.
-        parser.add_argument("--host", default=os.environ.get("HOST") or "127.0.0.1")
-        parser.add_argument("--port", type=_port, default=_from_environment("PORT", _port) or 8000)
+        parser.add_argument("--host", default=conf.host())
+        parser.add_argument(
+            "--port", type=_port, default=_from_environment(conf.port, _port) or conf.port.default
+        )
         parser.add_argument(
             "--workers",
             type=_at_least_one,
-            default=_from_environment("WEB_CONCURRENCY", _at_least_one) or usable_cpus(),
+            default=_from_environment(conf.web_concurrency, _at_least_one) or usable_cpus(),
             help="server processes (each with its own event relay); default: WEB_CONCURRENCY, "
             f"or the CPUs this process may use ({usable_cpus()} here)",
         )
@@ -85,7 +88,7 @@ class Command(BaseCommand):
         listener = self.bind(options["host"], options["port"])
         # Server commands run from another directory find this database while it serves.
         served = (
-            serving.registered(settings.DATA_DIR)
+            serving.registered(conf.data_dir())
             if uses_embedded_database()
             else contextlib.nullcontext()
         )
@@ -119,12 +122,12 @@ class Command(BaseCommand):
             listener = self.bind(host, port)
             try:
                 origin = f"{host}:{port}"
-                directory = settings.DATA_DIR / "pushpin"
+                directory = conf.data_dir() / "pushpin"
                 edge = pushpin.Pushpin(
                     directory,
                     http_port=options["port"],
                     origin=origin,
-                    proxies_in_front=bool(settings.FORWARDED_ALLOW_IPS),
+                    proxies_in_front=bool(conf.forwarded_allow_ips()),
                 )
                 edge.start().wait_ready()
                 # Streams are held in Pushpin, and events published to it (board.live.grip):
@@ -161,14 +164,14 @@ class Command(BaseCommand):
             # Requests in progress get this long on shutdown (streams end at once).
             timeout_graceful_shutdown=5,
             # With --workers: how long a process may not answer before it is replaced.
-            timeout_worker_healthcheck=settings.TASKBOARD_WORKER_TIMEOUT,
-            log_level=(os.environ.get("LOG_LEVEL") or "info").lower(),
+            timeout_worker_healthcheck=conf.worker_timeout(),
+            log_level=conf.log_level().lower(),
             proxy_headers=bool(proxies),
             forwarded_allow_ips=proxies,
             server_header=False,
             http=server.HttpToolsProtocol,
-            header_timeout=settings.TASKBOARD_HEADER_TIMEOUT,
-            headers=server.BEHIND_PUSHPIN_HEADERS if settings.GRIP_URL else None,
+            header_timeout=conf.header_timeout(),
+            headers=server.BEHIND_PUSHPIN_HEADERS if conf.grip_url() else None,
         )
         try:
             server.run(config, listener)
@@ -200,7 +203,7 @@ def trusted_proxies(*, pushpin: bool) -> list[str]:
     """Return the peers whose X-Forwarded-For and X-Forwarded-Proto uvicorn believes:
     FORWARDED_ALLOW_IPS, and behind ``--pushpin`` the loopback address that its own
     Pushpin connects from (the server processes then listen on 127.0.0.1 only)."""
-    proxies = list(settings.FORWARDED_ALLOW_IPS)
+    proxies = list(conf.forwarded_allow_ips())
     if pushpin and "127.0.0.1" not in proxies:
         proxies.append("127.0.0.1")
     return proxies
@@ -229,5 +232,5 @@ def _display_host(host: str) -> str:
 def database_description() -> str:
     db = settings.DATABASES["default"]
     if uses_embedded_database():
-        return f"embedded PostgreSQL in {settings.DATA_DIR / 'pgdata'}"
+        return f"embedded PostgreSQL in {conf.data_dir() / 'pgdata'}"
     return f"{db.get('HOST') or 'local socket'}:{db.get('PORT') or 5432}/{db['NAME']}"
