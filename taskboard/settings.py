@@ -1,4 +1,4 @@
-"""Django settings, read from the environment (see the README's Configuration section)."""
+"""Django settings, read from the environment (every setting: docs/reference/settings.md)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ MIDDLEWARE = [
 ]
 
 # TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
-# that terminates TLS and sets X-Forwarded-Proto (README, "Deploying at scale").
+# that terminates TLS and sets X-Forwarded-Proto (docs/how-to/deploy.md).
 TASKBOARD_HTTPS = env_bool("TASKBOARD_HTTPS", False)
 if TASKBOARD_HTTPS:
     # Session and CSRF cookies are never sent over plain HTTP.
@@ -256,7 +256,7 @@ if DATABASE_LISTEN_URL:
 
 # board.transitions prepares its statements on each session (planned once, not at every
 # call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
-# which lends each transaction another server connection (see the README).
+# which lends each transaction another server connection (docs/how-to/pgbouncer.md).
 DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", not DATABASE_LISTEN_URL)
 
 # Pushpin's publish endpoint and request signature (board.live.grip; django-grip's format):
