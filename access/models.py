@@ -1,12 +1,12 @@
 """API tokens, stored as SHA-256 digests, the counts of failed authentications, and the
 writes each user made lately (access.rates).
 
-Why a model of our own rather than ``rest_framework.authtoken`` (plain-text keys) or
+Why a model of the board's own rather than ``rest_framework.authtoken`` (plain-text keys) or
 django-rest-knox (hashed): the contract keeps one token per user with
 ``drf_create_token``'s semantics and output, and accepts both ``Bearer`` and ``Token``.
 Knox gives each login a token of its own with an expiry, keeps the first characters of
 every token in plain text to find it, accepts one header keyword, and brings login and
-logout views the board does not use. What we need is this small table and
+logout views the board does not use. What the board needs is this small table and
 ``access.tokens``.
 """
 

@@ -143,7 +143,8 @@ def retry_after(address: str) -> int | None:
     the last ``window()`` seconds (the sliding-window estimate). A fixed window alone would
     let up to twice the limit through across its boundary. The estimate takes the previous
     window's failures as spread evenly over it; bunched at its end, they weigh less than
-    they should, and up to about twice the limit can still get through (README).
+    they should, and up to about twice the limit can still get through
+    (docs/how-to/tokens.md).
     """
     allowed = limit()
     if allowed <= 0:

@@ -491,7 +491,7 @@ class Delivery(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
-    # No foreign keys to the task or the event: the event log may be archived (issue 12).
+    # No foreign keys to the task or the event: the event log may be archived.
     # Both null for a password reset email.
     event_id = models.BigIntegerField(null=True, blank=True)
     task_id = models.BigIntegerField(null=True, blank=True)

@@ -1,5 +1,5 @@
 """Django settings, built from the environment by board.conf's declarations (each
-variable's type, default and range is there)."""
+variable's type, default and range is there; every setting: docs/reference/settings.md)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ MIDDLEWARE = [
 ]
 
 # TASKBOARD_HTTPS=true: the board is reached over HTTPS only, normally through a proxy
-# that terminates TLS and sets X-Forwarded-Proto (README, "Deploying at scale").
+# that terminates TLS and sets X-Forwarded-Proto (docs/how-to/deploy.md).
 TASKBOARD_HTTPS = conf.https.from_environment()
 if TASKBOARD_HTTPS:
     # Session and CSRF cookies are never sent over plain HTTP.
@@ -215,7 +215,7 @@ DATABASE_LISTEN_URL = conf.database_listen_url.from_environment() or None
 
 # board.transitions prepares its statements on each session (planned once, not at every
 # call). Off by default behind a pooler in transaction mode (DATABASE_LISTEN_URL set),
-# which lends each transaction another server connection (see the README).
+# which lends each transaction another server connection (docs/how-to/pgbouncer.md).
 DATABASE_PREPARED_STATEMENTS = (
     conf.database_prepared_statements.from_environment()
     if conf.database_prepared_statements.raw() is not None

@@ -1,4 +1,4 @@
-"""The agent's install without the server (README, "Only the agent side"): the README's
+"""The agent's install without the server (docs/how-to/agent-install.md): the README's
 command, exactly as written there, in a fresh venv; from that venv the agent's commands
 work tasks on a live server, while nothing of the server's side (its packages, Django,
 psycopg, uvicorn, the embedded PostgreSQL) can even be imported there."""

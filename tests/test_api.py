@@ -1,5 +1,5 @@
-"""The HTTP API v1, checked against /work/shared/CONTRACT.md: every endpoint's success
-shape and every refusal the contract names."""
+"""The HTTP API v1, checked against its contract (board/api/openapi.yaml and
+docs/reference/http-api.md): every endpoint's success shape and every refusal it names."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ import pytest
 
 from tests.processes import ROOT, eventually, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.once]
+# Nothing here depends on the PostgreSQL server's version; the tutorials' runs are slow.
+pytestmark = [pytest.mark.once]
 
 DOCS = ROOT / "docs"
 TUTORIALS = [
@@ -235,6 +236,7 @@ def tasks_titled(api: httpx.Client, title: str) -> list[dict[str, Any]]:
     return [task for task in tasks if task["title"] == title]
 
 
+@pytest.mark.slow
 def test_every_tutorial_is_run_and_every_directive_is_understood() -> None:
     pages = {path.name for path in (DOCS / "tutorials").glob("*.md")} - {"index.md"}
     assert set(TUTORIALS) == pages
@@ -246,6 +248,7 @@ def test_every_tutorial_is_run_and_every_directive_is_understood() -> None:
                 assert DIRECTIVE.fullmatch(block.directive), f"{block.where}: {block.directive}"
 
 
+@pytest.mark.slow
 def test_run_the_board_serves_from_the_current_directory(reader: Reader) -> None:
     printed = reader.run("run-the-board.md")
 
@@ -256,6 +259,7 @@ def test_run_the_board_serves_from_the_current_directory(reader: Reader) -> None
     assert '"status": "ok"' in printed
 
 
+@pytest.mark.slow
 def test_a_first_agent_with_curl(reader: Reader, demo_agent: httpx.Client) -> None:
     printed = reader.run("first-agent-curl.md")
 
@@ -266,6 +270,7 @@ def test_a_first_agent_with_curl(reader: Reader, demo_agent: httpx.Client) -> No
     assert [event["type"] for event in events] == ["created", "claimed", "heartbeat", "completed"]
 
 
+@pytest.mark.slow
 def test_the_python_client_and_taskboard_work(reader: Reader, demo_agent: httpx.Client) -> None:
     printed = reader.run("python-client.md")
 
@@ -283,6 +288,7 @@ def test_the_python_client_and_taskboard_work(reader: Reader, demo_agent: httpx.
     assert task["result"] == {"thumbnails": 2}
 
 
+@pytest.mark.slow
 def test_an_llm_agent_over_mcp(reader: Reader, demo_agent: httpx.Client) -> None:
     printed = reader.run("mcp-agent.md")
 
@@ -291,6 +297,7 @@ def test_an_llm_agent_over_mcp(reader: Reader, demo_agent: httpx.Client) -> None
     assert (task["status"], task["result"]) == ("done", {"incidents": 11})
 
 
+@pytest.mark.slow
 def test_triage_escalations_as_a_person(reader: Reader, demo_agent: httpx.Client) -> None:
     printed = reader.run("triage.md")
 
@@ -302,6 +309,7 @@ def test_triage_escalations_as_a_person(reader: Reader, demo_agent: httpx.Client
     assert [event["type"] for event in events][-3:] == ["failed", "escalated", "resolved"]
 
 
+@pytest.mark.slow
 def test_the_command_line_reference_is_what_the_commands_say() -> None:
     path = DOCS / "scripts" / "cli_reference.py"
     spec = importlib.util.spec_from_file_location("cli_reference", path)
@@ -313,3 +321,52 @@ def test_the_command_line_reference_is_what_the_commands_say() -> None:
         "docs/reference/cli.md differs from the commands' --help: "
         "run .venv/bin/python docs/scripts/cli_reference.py"
     )
+
+
+# The README is one screen's worth that leads into the site; history lives in the decisions
+# and CHANGELOG.md, and dated figures in the benchmark runs (the performance page's one
+# table of the latest figures names its runs by date, which the checks below allow).
+README_LINES = 200
+HISTORY = (DOCS / "decisions", DOCS / "benchmarks" / "runs")
+ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+# "I" as a word followed by a lowercase word ("I built"), not "%I" in SQL or "I/O".
+FIRST_PERSON = re.compile(r"(?<![\w%/.-])I\s+(?=[a-z])")
+LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)#\s]+)(?:#[^)\s]*)?\)")
+
+
+def read_pages() -> dict[str, str]:
+    """Return README.md and every page of the site outside the history, by path."""
+    pages = {"README.md": (ROOT / "README.md").read_text()}
+    for path in sorted(DOCS.rglob("*.md")):
+        if not any(path.is_relative_to(history) for history in HISTORY):
+            pages[str(path.relative_to(ROOT))] = path.read_text()
+    return pages
+
+
+def test_the_readme_is_one_screen_s_worth_that_links_into_the_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+
+    assert len(readme.splitlines()) <= README_LINES, "README.md: move the detail into docs/"
+    targets = LINK.findall(readme)
+    assert "docs/images/board.png" in targets
+    assert any(target.startswith("docs/tutorials/") for target in targets)
+    missing = [target for target in targets if not (ROOT / target).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_readme_and_the_docs_say_why_not_when() -> None:
+    found = [
+        f"{path}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)!r}"
+        for path, text in read_pages().items()
+        for pattern in (ISSUE_NUMBER, FIRST_PERSON)
+        for match in pattern.finditer(text)
+    ]
+    assert not found, "history belongs in docs/decisions/ or CHANGELOG.md:\n" + "\n".join(found)
+
+
+def test_the_checks_on_history_catch_it() -> None:
+    assert ISSUE_NUMBER.search("Where issue 11 stands")
+    assert ISSUE_NUMBER.search("see Issue #9")
+    assert FIRST_PERSON.search("so I built that variant")
+    assert not FIRST_PERSON.search("EXECUTE format('CREATE TABLE %I PARTITION OF')")
+    assert not FIRST_PERSON.search("I/O bound") and not FIRST_PERSON.search("Part I")

@@ -1,5 +1,5 @@
 """ALLOWED_HOSTS in front of Django: the stream and waiting claims refuse a foreign Host as
-every Django page does (issue 8, defect 8)."""
+every Django page does."""
 
 from __future__ import annotations
 

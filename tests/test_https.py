@@ -1,5 +1,5 @@
 """TASKBOARD_HTTPS=true: Secure cookies, HSTS, the proxy's X-Forwarded-Proto and a
-Content-Security-Policy, on the responses of a real ``serve`` (issue 8, defect 8).
+Content-Security-Policy, on the responses of a real ``serve``.
 
 The server runs as a process of its own, since the setting is read at start-up. The tests
 play the proxy, from 127.0.0.1, named in FORWARDED_ALLOW_IPS: uvicorn believes its

@@ -196,8 +196,8 @@ def silent_smtp_server() -> Iterator[int]:
 def test_an_smtp_server_that_never_answers_holds_no_reset_request_and_no_server(
     tmp_path: Path,
 ) -> None:
-    """Twelve resets used to hold the server for 65 s: each sent its email in the request,
-    with no SMTP timeout. Now each answers at once, /healthz keeps answering, and the
+    """Twelve resets must not hold the server (65 s when each sent its email in the request,
+    with no SMTP timeout): each answers at once, /healthz keeps answering, and the
     email's delivery fails within its deadline, to be tried again."""
     account("ann", "ann@example.com")
     with silent_smtp_server() as port:

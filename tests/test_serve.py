@@ -219,7 +219,8 @@ def test_connections_that_never_finish_their_headers_are_closed_but_streams_run_
         stop = threading.Event()
 
         def drip() -> None:
-            # A header line every half second: each one used to keep the connection open.
+            # A header line every half second: a timer restarted at each line would keep the
+            # connection open.
             with contextlib.suppress(OSError):
                 while not stop.wait(0.5):
                     dripper.sendall(b"X-Drip: 1\r\n")

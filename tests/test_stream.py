@@ -880,7 +880,7 @@ def test_a_client_cannot_ask_for_a_held_streams_next_link_itself(
         with StreamCollector(stream_url(server), {"Grip-Last": "events; last-id=0"}, **params) as s:
             assert s.status in {204, 401}
             assert s.nothing_within(0.3)
-    # A next link of the earlier form, its credentials in the query: behind Pushpin the
+    # A next link with its credentials in the query: behind Pushpin the
     # stream is ended (204; its client resumes), not answered for those credentials.
     from access import tokens
     from board.live import grip

@@ -261,8 +261,8 @@ BAD_GATEWAY = httpx.Response(502, text="Error while proxying to origin.\n")
 
 
 def test_a_proxy_s_502_is_retried_only_when_that_is_harmless(pauses: list[float]) -> None:
-    """Pushpin answers 502 to new requests it cannot pass on at once (a burst: README,
-    Deploying at scale). As after a lost answer, a read or a create (one Idempotency-Key)
+    """Pushpin answers 502 to new requests it cannot pass on at once (a burst:
+    docs/how-to/pushpin.md). As after a lost answer, a read or a create (one Idempotency-Key)
     is sent again; a claim may have run, so its 502 is raised."""
     read = Script(BAD_GATEWAY, httpx.Response(200, json=TASK_JSON))
     assert scripted(read).get(7).id == 7

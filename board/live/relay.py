@@ -120,7 +120,7 @@ class StreamEvent:
         Encoded lazily: every server process's relay reads every event, but only those
         with a stream open (or publishing to Pushpin) write any. Rendering each event with
         the API's serializers was about a tenth of a server process's CPU under API load
-        with no stream open (a py-spy profile with --gil, 2026-12-03).
+        with no stream open (a py-spy profile with --gil).
         """
         source = self.source
         if not isinstance(source, bytes):

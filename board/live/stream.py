@@ -329,11 +329,11 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
     if proxied and parse_qs(scope.get("query_string", b"").decode("latin-1")).get("link") == [
         "next"
     ]:
-        # A next link of the earlier form (its credentials in the query, which Pushpin
-        # leaves out when it shares a request among streams), asked for a stream held
-        # across an upgrade: end the stream, whose client resumes with Last-Event-ID and is
-        # held again with a link of today's form (not a 401, counted against Pushpin's
-        # address by the failed-authentication throttle).
+        # A next link with its credentials in the query (which Pushpin leaves out when it
+        # shares a request among streams), as a stream held across an upgrade may still
+        # ask: end the stream, whose client resumes with Last-Event-ID and is held again
+        # with a link whose credentials are sealed in it (not a 401, counted against
+        # Pushpin's address by the failed-authentication throttle).
         await send_response(send, HttpResponse(status=204))
         return
     client = scope.get("client")

@@ -40,7 +40,7 @@ a ``404`` ends it at once, and its idle timer is the SDK's plus a margin, so tha
 has forgotten the session (and answers ``404``) before its leases are let go.
 
 Sessions live in the process that opened them. Behind several servers, a session's
-requests must reach the same one (README, "Deploying at scale"); between the processes of
+requests must reach the same one (docs/explanation/scaling.md); between the processes of
 one ``serve --workers N``, whose connections reach them at random, board.mcp.forwarding passes
 each request to the process that holds its session.
 
@@ -92,7 +92,7 @@ from taskboard_agent.mcp_server import TOOL_CALL_LIMITS, Session, build_server
 logger = logging.getLogger(__name__)
 
 PATHS = frozenset({"/mcp", "/mcp/"})
-# Seconds our idle timer runs past the SDK's, so that the SDK ends a session first.
+# Seconds this module's idle timer runs past the SDK's, so that the SDK ends a session first.
 IDLE_MARGIN = 2.0
 # Seconds a session may be without a request or an open stream before its client counts
 # as gone and its leases are no longer renewed: long enough for a stream to reconnect, or

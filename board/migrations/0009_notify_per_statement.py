@@ -1,4 +1,4 @@
-"""One NOTIFY per statement that writes events, not one per event row (issue 11).
+"""One NOTIFY per statement that writes events, not one per event row.
 
 A claim of 100 tasks wrote 100 notifications into PostgreSQL's notify queue (each with its
 own payload, so none were folded together), and woke every listening relay 100 times, each

@@ -1,8 +1,8 @@
-"""Drop django-eventstream's tables, which nothing ever used (issue 11).
+"""Drop django-eventstream's tables, which nothing ever used.
 
 The board's events live in ``task_events``; django-eventstream serves only its SSE encoder
-(board.live.relay), so it is no longer an installed app and its two tables, made by the
-versions before this one, go, together with the record of its migrations (so that
+(board.live.relay), so it is not an installed app, and its two tables, made by the
+migrations before this one, go, together with the record of its migrations (so that
 installing the app again, for its own storage, would make them afresh).
 """
 

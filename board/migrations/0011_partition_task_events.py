@@ -1,4 +1,4 @@
-"""Partition task_events by month, so that old months can be archived (issue 12, point 3).
+"""Partition task_events by month, so that old months can be archived.
 
 The log keeps every event, its id, the id sequence's position, and everything 0002, 0003,
 0008 and 0009 put on the table: the append-only triggers (on the parent, and cloned by

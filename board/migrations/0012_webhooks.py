@@ -1,4 +1,4 @@
-"""Webhooks and their deliveries (issue 12): telling humans.
+"""Webhooks and their deliveries: telling humans.
 
 A delivery is made in the same transaction as its event: a statement trigger on
 task_events, like the NOTIFY trigger of 0009, inserts one row per matching active webhook

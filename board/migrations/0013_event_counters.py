@@ -1,4 +1,4 @@
-"""Events by type, counted by the database (issue 12, ``/metrics``).
+"""Events by type, counted by the database (``/metrics``).
 
 ``taskboard_events_total`` must read the same from every server process of
 ``serve --workers N`` (a scrape reaches one of them at random) and must not fall back to

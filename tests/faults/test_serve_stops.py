@@ -1,17 +1,17 @@
-"""``taskboard serve`` stopped by a signal, as a process manager stops it (issue 8, defects
-6 and 7).
+"""``taskboard serve`` stopped by a signal, as a process manager stops it.
 
 - SIGTERM ends the server cleanly, with status 0, and the embedded PostgreSQL stops with
-  the last process holding it, with ``--workers`` too. (uvicorn used to re-raise SIGTERM
-  with the default handler after its shutdown: the process died without its atexit
-  functions, PostgreSQL kept running and dead pids piled up in its list of holders.)
+  the last process holding it, with ``--workers`` too. (uvicorn re-raises SIGTERM with
+  the default handler after its shutdown: unless the server prevents it, the process dies
+  without its atexit functions, PostgreSQL keeps running and dead pids pile up in its
+  list of holders.)
 - A serve killed with SIGKILL cannot clean up: the next one forgets its pid.
-- Open streams and waiting claims end at once on SIGTERM (they used to hold the shutdown
-  for the whole graceful period, then be cancelled with tracebacks).
-- The workers of a ``serve --workers N`` killed with SIGKILL stop (they kept the port and
-  the database).
+- Open streams and waiting claims end at once on SIGTERM (rather than holding the
+  shutdown for the whole graceful period, then being cancelled with tracebacks).
+- The workers of a ``serve --workers N`` killed with SIGKILL stop (rather than keeping the
+  port and the database).
 - With ``--workers``, connections made after SIGTERM are answered or refused, never
-  queued and then reset (uvicorn's supervisor held the listening socket until it exited).
+  queued and then reset (uvicorn's supervisor holds the listening socket until it exits).
 
 Each test runs real ``serve`` processes on one embedded data directory of their own.
 """

@@ -1,9 +1,9 @@
-"""Defect 2 of issue 8, caused: clients that send their request bodies a byte at a time.
+"""Clients that send their request bodies a byte at a time.
 
-Django runs on TASKBOARD_THREADS (4) worker threads. Bodies used to be read from inside
-one, so four slow bodies held all four and every other request, /healthz included, waited
-for as long as they lasted. No login is needed: the login form takes a POST from anyone
-with a self-made csrftoken cookie.
+Django runs on TASKBOARD_THREADS (4) worker threads. A body read from inside one would
+hold it, so four slow bodies would hold all four and every other request, /healthz
+included, would wait for as long as they lasted. No login is needed: the login form takes
+a POST from anyone with a self-made csrftoken cookie.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A server process stopped (SIGSTOP) while another serves, then continued: a stream
-resumed on it must not repeat what the client has already seen (issue 8, defect 3), and
+resumed on it must not repeat what the client has already seen, and
 a worker of ``serve --workers N`` stopped for longer than uvicorn's own health check
 allows is still there to carry on (TASKBOARD_WORKER_TIMEOUT)."""
 

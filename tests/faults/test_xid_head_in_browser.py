@@ -1,4 +1,4 @@
-"""The board past a power of ten of transaction ids, in a real browser (issue 8, defect 1).
+"""The board past a power of ten of transaction ids, in a real browser.
 
 Event positions are transaction ids. Compared as text, "9999" sorts after "10000": a board
 drawn once the database has crossed 10,000 transactions would resume its stream from an

@@ -1,4 +1,4 @@
-"""A Python client for the Taskboard API v1 (see the README's "Writing an agent").
+"""A Python client for the Taskboard API v1 (docs/tutorials/python-client.md).
 
 It needs nothing but httpx, and never imports Django: an agent installs the package and
 imports ``taskboard_agent.client`` on a machine that runs no server.

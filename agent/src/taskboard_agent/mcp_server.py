@@ -4,7 +4,7 @@ the server's ``/mcp/`` serves over Streamable HTTP (board.mcp.endpoint).
 (Named mcp_server, not mcp, so that it never hides the SDK's own ``mcp`` package.)
 
 An MCP server built with the official SDK (``mcp.server.mcpserver.MCPServer``) whose tools
-are the contract's (CONTRACT.md, "MCP"), each one call of the Python client
+are the board's ten (docs/reference/mcp-tools.md), each one call of the Python client
 (taskboard_agent.client) to the board's REST API, so that both transports answer with the API's
 own validation and error codes. ``taskboard mcp`` runs on the agent's machine, as the agent
 of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends

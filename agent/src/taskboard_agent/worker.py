@@ -168,7 +168,7 @@ class Display:
 class Output:
     """Feed a command its stdin; collect its stdout and the tail of its stderr.
 
-    Each stream has a thread, so that a command that writes much to one while we wait on
+    Each stream has a thread, so that a command that writes much to one while the other is read
     the other never blocks.
     """
 
@@ -239,7 +239,7 @@ class ProgressPipe:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
-        """Start reading; call after the command started (our write end is closed)."""
+        """Start reading; call after the command started (the worker's write end is closed)."""
         os.close(self.write_fd)
         self._thread.start()
 
