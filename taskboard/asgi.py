@@ -105,31 +105,36 @@ class Releasing:
 
 
 django.setup(set_prefix=False)
-django_application = WSGIMiddleware(
-    ReleasingHandler(),  # type: ignore[arg-type]
-    workers=settings.TASKBOARD_THREADS,
-)
 
-from board.http.asgi_tools import closing  # noqa: E402
-from board.http.middleware import RequestBodyLimit  # noqa: E402
+from board.http.asgi_tools import closing, send_response  # noqa: E402
+from board.http.middleware import CheckedHostRequest, RequestBodyLimit, check_host  # noqa: E402
 from board.live import grip, stream, waiting  # noqa: E402
 from board.live.relay import stop_relays  # noqa: E402
 from board.mcp import endpoint as mcp_endpoint  # noqa: E402
 from board.notifications import deliveries  # noqa: E402  (needs Django set up)
 from taskboard.server import on_exit_signal, tune_garbage_collector  # noqa: E402
 
+ReleasingHandler.request_class = CheckedHostRequest  # the Host is checked in front, once
+django_application = WSGIMiddleware(
+    ReleasingHandler(),  # type: ignore[arg-type]
+    workers=settings.TASKBOARD_THREADS,
+)
 http_application = RequestBodyLimit(waiting.WaitingClaims(django_application))  # type: ignore[arg-type]
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "http" and (
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+        return
+    if scope["type"] == "http" and (refused := check_host(scope)) is not None:
+        # Once per request, for everything behind (Django takes the host as checked).
+        await send_response(send, refused)
+    elif scope["type"] == "http" and (
         scope["path"] == stream.PATH or scope["path"].startswith(stream.NEXT_PATH)
     ):
         await stream.application(scope, receive, send)
     elif scope["type"] == "http" and scope["path"] in mcp_endpoint.PATHS:
         await mcp_endpoint.application(scope, receive, send)
-    elif scope["type"] == "lifespan":
-        await lifespan(receive, send)
     else:
         await http_application(scope, receive, send)
 

@@ -44,12 +44,7 @@ from access import throttle
 from board.access import EVERY_QUEUE, QueueAccess, queue_access
 from board.api import authentication
 from board.http.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
-from board.http.middleware import (
-    database_unavailable,
-    disallowed_host,
-    error_response,
-    is_database_outage,
-)
+from board.http.middleware import database_unavailable, error_response, is_database_outage
 from board.live import grip
 from board.live.relay import START, Cursor, Relay, StreamEvent, get_relay
 from board.models import QueueLimit
@@ -304,10 +299,7 @@ async def unavailable(send: Send) -> None:
 
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI endpoint for GET /api/v1/stream/."""
-    if (refused := disallowed_host(scope)) is not None:
-        await send_response(send, refused)
-        return
+    """The ASGI endpoint for GET /api/v1/stream/ (its Host checked in front: taskboard.asgi)."""
     if scope["method"] not in {"GET", "HEAD"}:
         response = error_response(405, "method_not_allowed", "Use GET.")
         response["Allow"] = "GET"

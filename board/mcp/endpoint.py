@@ -79,7 +79,7 @@ from board import conf
 from board.api.authentication import cached_user
 from board.http.asgi_tools import read_body, send_response
 from board.http.errors import error_response
-from board.http.middleware import disallowed_host
+from board.http.middleware import check_host
 from board.live.stream import authorize
 from board.mcp import forwarding
 from taskboard.client import ClaimedTask, Client
@@ -426,9 +426,7 @@ class MCPApplication:
                 await self.sessions.end_all()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if (refused := disallowed_host(scope)) is not None:
-            await send_response(send, refused)
-            return
+        # The Host was checked in front (taskboard.asgi, or private_application).
         if self.router is not None:
             routed = await self.route(self.router, scope, receive, send)
             if routed is None:
@@ -698,6 +696,9 @@ async def private_application(scope: Scope, receive: Any, send: Any) -> None:
         return
     if scope["type"] != "http" or scope["path"] not in PATHS:
         await send_response(send, error_response(404, "not_found", "Only /mcp/ is served here."))
+        return
+    if (refused := check_host(scope)) is not None:
+        await send_response(send, refused)
         return
     await application(forwarding.forwarded_scope(scope), receive, send)
 
