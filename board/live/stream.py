@@ -46,9 +46,15 @@ from board.api import authentication
 from board.http.asgi_tools import Receive, Scope, Send, closing, send_response, until_disconnect
 from board.http.middleware import database_unavailable, error_response, is_database_outage
 from board.live import grip
-from board.live.relay import START, Cursor, Relay, StreamEvent, get_relay
+from board.live.relay import (
+    Cursor,
+    Relay,
+    StreamEvent,
+    get_relay,
+    head_below_horizon,
+    run_on_django,
+)
 from board.models import QueueLimit
-from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,17 +89,12 @@ def authorize(headers: dict[str, str], address: str = "") -> tuple[Any, QueueAcc
 
 
 def committed_head() -> Cursor:
-    """The cursor of the last event committed now (below the horizon, as the relay reads):
-    where a stream that names no event starts, even if this process's relay has not read
-    the newest commits yet (a client that made an event and then opens a stream must not
-    be sent it). Runs on the stream's database thread."""
-    with connection.cursor() as cursor:
-        cursor.execute(QUERIES["stream_horizon"])
-        columns = [column.name for column in cursor.description]
-        horizon = dict(zip(columns, cursor.fetchone(), strict=True))["horizon"]
-        cursor.execute(QUERIES["stream_head"], {"horizon": str(horizon)})
-        row = cursor.fetchone()
-    return Cursor(int(row[0]), row[1]) if row else START
+    """The cursor of the last event committed now (relay.head_below_horizon): where a
+    stream that names no event starts, even if this process's relay has not read the
+    newest commits yet (a client that made an event and then opens a stream must not be
+    sent it). Runs on the stream's database thread."""
+    _, head = run_on_django(head_below_horizon())
+    return head
 
 
 def _user(headers: dict[str, str]) -> Any:
