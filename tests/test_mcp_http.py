@@ -357,13 +357,13 @@ def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
     from board.mcp import endpoint as mcp_endpoint
 
     lookups: list[str] = []
-    real = mcp_endpoint.authorize
+    real = mcp_endpoint.authenticate
 
-    def counted(headers: dict[str, str], address: str = "") -> Any:
-        lookups.append(address)
-        return real(headers, address)
+    def counted(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
+        lookups.append(str(address))
+        return real(authorization, session_key, address=address)
 
-    monkeypatch.setattr(mcp_endpoint, "authorize", counted)
+    monkeypatch.setattr(mcp_endpoint, "authenticate", counted)
     alice = token_of("alice")
     url = f"{server.url}/mcp/"
     session_id = open_session(url, alice)
@@ -387,10 +387,10 @@ def test_when_the_database_is_away_a_session_goes_on_and_a_new_one_gets_a_json_r
     url = f"{server.url}/mcp/"
     session_id = open_session(url, alice)
 
-    def away(headers: dict[str, str], address: str = "") -> Any:
+    def away(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
         raise OperationalError("the database is away")
 
-    monkeypatch.setattr(mcp_endpoint, "authorize", away)
+    monkeypatch.setattr(mcp_endpoint, "authenticate", away)
     # The session's request goes on: its tool call meets the board as it is (here, up).
     status, body = call(url, alice, session_id, "list_tasks")
     assert status == 200 and not body["result"].get("isError"), body

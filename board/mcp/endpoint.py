@@ -4,8 +4,8 @@ The transport and its sessions are the official SDK's (``StreamableHTTPSessionMa
 what is here is what the board adds around it:
 
 - **Authentication.** Every request needs the API's ``Authorization: Bearer <token>``
-  (checked as the stream checks it: board.live.stream.authorize, failures throttled per
-  address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
+  (board.api.authentication.authenticate, as for every entry point, failures throttled
+  per address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
   token that opened it: the SDK answers ``404`` to a request for it with another token,
   and such a request moves nothing here. Requests of the sessionless protocol version
   (2026-07-28), which the SDK serves without looking at sessions and which could not keep
@@ -76,11 +76,10 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from access import throttle
 from access.tokens import digest as tokens_digest
 from board import conf
-from board.api.authentication import cached_user
+from board.api.authentication import Refused, authenticate, cached_user
 from board.http.asgi_tools import read_body, send_response
 from board.http.errors import error_response
 from board.http.middleware import check_host
-from board.live.stream import authorize
 from board.mcp import forwarding
 from taskboard.client import ClaimedTask, Client
 from taskboard.mcp_server import TOOL_CALL_LIMITS, Session, build_server
@@ -577,12 +576,9 @@ class MCPApplication:
             return principal, token
         try:
             # Only a token: a browser's session cookie is no credential for an agent's tools.
-            authorized = await sync_to_async(authorize, thread_sensitive=False)(
-                {"authorization": authorization}, address
+            authorized = await sync_to_async(authenticate, thread_sensitive=False)(
+                authorization, address=address
             )
-        except throttle.Throttled as exc:
-            await send_response(send, throttle.throttled(exc.seconds))
-            return None
         except DatabaseError as exc:
             session_id = headers.get(MCP_SESSION_ID_HEADER)
             if session_id is not None and self.sessions.owned_by(session_id, digest):
@@ -596,11 +592,14 @@ class MCPApplication:
                 headers={"Retry-After": "5"},
             )
             return None
-        if authorized is None:
+        if isinstance(authorized, Refused) and authorized.throttled_for is not None:
+            await send_response(send, throttle.throttled(authorized.throttled_for))
+            return None
+        if isinstance(authorized, Refused):
             presented = keyword.lower() in {"bearer", "token"} and bool(token)
             await _unauthorized(send, refused=presented)
             return None
-        # DRF's token authentication (board.live.stream.authorize) has cached the lookup.
+        # board.api.authentication.authenticate has cached the lookup.
         return principal, token
 
 
