@@ -1,7 +1,10 @@
 """Claims that wait for work: ``POST /api/v1/tasks/claim/`` with ``wait`` > 0.
 
 A waiting claim must not cost a thread or a database connection while it waits, so that
-hundreds of idle agents can wait on one small server. The waiting therefore happens here,
+hundreds of idle agents can wait on one small server: 200 claims waiting at once hold no
+connection beyond those the server's worker threads keep anyway, and no thread
+(tests/test_waiting.py), where under Django's handler each would keep a thread of its own
+for as long as it waits (as a stream does: board.live.stream). The waiting therefore happens here,
 in ASGI middleware in front of Django, between claim attempts that each go through Django
 as an ordinary, short request (authentication, validation, the claim statement):
 
