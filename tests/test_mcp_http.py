@@ -497,3 +497,53 @@ def test_a_tool_argument_over_the_apis_limit_is_the_tools_error_as_over_stdio(
     huge = httpx.post(url, headers=headers, content=b" " * (5 * 1024 * 1024))
     assert huge.status_code == 413
     assert "payload_too_large" in huge.json()["error"]["message"]
+
+
+def test_every_entry_point_authenticates_through_one_function(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/mcp/, the API's views, the stream and waiting claims all take their user from
+    board.api.authentication.authenticate: a token refused there is refused by each."""
+    from board.api import authentication
+    from board.api.authentication import Refused
+
+    seen: list[str] = []
+    real = authentication._authenticate
+
+    def counted(authorization: str, session_key: str) -> Any:
+        seen.append(authorization)
+        return real(authorization, session_key)
+
+    monkeypatch.setattr(authentication, "_authenticate", counted)
+    alice = token_of("alice")
+    bearer = {"Authorization": f"Bearer {alice}"}
+    open_session(f"{server.url}/mcp/", alice)
+    assert seen, "/mcp/"
+    seen.clear()
+    assert httpx.get(f"{server.url}/api/v1/tasks/", headers=bearer).status_code == 200
+    assert seen, "the API's views"
+    seen.clear()
+    assert httpx.head(f"{server.url}/api/v1/stream/", headers=bearer).status_code == 200
+    assert seen, "the stream"
+    seen.clear()
+    claim = httpx.post(
+        f"{server.url}/api/v1/tasks/claim/", headers=bearer, json={"wait": 0.2}, timeout=10
+    )
+    assert claim.status_code == 200
+    assert seen, "a waiting claim"
+
+    def refuse(authorization: str, session_key: str) -> Any:
+        return Refused("Invalid token.", presented=True)
+
+    monkeypatch.setattr(authentication, "_authenticate", refuse)
+    authentication.forget(None)  # /mcp/ would otherwise trust the cache without asking
+    assert httpx.get(f"{server.url}/api/v1/tasks/", headers=bearer).status_code == 401
+    assert httpx.head(f"{server.url}/api/v1/stream/", headers=bearer).status_code == 401
+    claim = httpx.post(f"{server.url}/api/v1/tasks/claim/", headers=bearer, json={"wait": 0.2})
+    assert claim.status_code == 401
+    mcp = httpx.post(
+        f"{server.url}/mcp/",
+        headers={**bearer, "Accept": ACCEPT},
+        json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+    )
+    assert mcp.status_code == 401
