@@ -168,21 +168,6 @@ def retry_after(address: str) -> int | None:
     return max(1, math.ceil(float(wait)))
 
 
-class Throttled(Exception):
-    """The address is over the limit; ``seconds`` until its window ends."""
-
-    def __init__(self, seconds: int) -> None:
-        super().__init__(f"Throttled for {seconds} s.")
-        self.seconds = seconds
-
-
-def check(address: str) -> None:
-    """Raise :class:`Throttled` if ``address`` is over the limit."""
-    seconds = retry_after(address)
-    if seconds is not None:
-        raise Throttled(seconds)
-
-
 def record_failure(address: str) -> None:
     """Count one failed authentication from ``address``."""
     if limit() <= 0:

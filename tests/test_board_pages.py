@@ -19,8 +19,8 @@ from django.test import Client
 
 from board import transitions
 from board.access import limit_queues
+from board.live.relay import head_below_horizon, run_on_django
 from board.models import QueuePause, QueueState, Task, TaskEvent
-from board.pages.views import stream_head_id, stream_horizon
 from tests.factories import StaffFactory, UserFactory, grant
 
 pytestmark = pytest.mark.django_db
@@ -231,7 +231,7 @@ def test_the_resume_id_is_the_last_event_committed_before_the_page_was_drawn(
 
     assert state["resume_id"] == TaskEvent.objects.get(task=latest).id
     assert state["skip"] == []
-    assert stream_head_id(stream_horizon()) == state["resume_id"]
+    assert run_on_django(head_below_horizon())[1].id == state["resume_id"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -357,13 +357,13 @@ def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
     from board.mcp import endpoint as mcp_endpoint
 
     lookups: list[str] = []
-    real = mcp_endpoint.authorize
+    real = mcp_endpoint.authenticate
 
-    def counted(headers: dict[str, str], address: str = "") -> Any:
-        lookups.append(address)
-        return real(headers, address)
+    def counted(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
+        lookups.append(str(address))
+        return real(authorization, session_key, address=address)
 
-    monkeypatch.setattr(mcp_endpoint, "authorize", counted)
+    monkeypatch.setattr(mcp_endpoint, "authenticate", counted)
     alice = token_of("alice")
     url = f"{server.url}/mcp/"
     session_id = open_session(url, alice)
@@ -387,10 +387,10 @@ def test_when_the_database_is_away_a_session_goes_on_and_a_new_one_gets_a_json_r
     url = f"{server.url}/mcp/"
     session_id = open_session(url, alice)
 
-    def away(headers: dict[str, str], address: str = "") -> Any:
+    def away(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
         raise OperationalError("the database is away")
 
-    monkeypatch.setattr(mcp_endpoint, "authorize", away)
+    monkeypatch.setattr(mcp_endpoint, "authenticate", away)
     # The session's request goes on: its tool call meets the board as it is (here, up).
     status, body = call(url, alice, session_id, "list_tasks")
     assert status == 200 and not body["result"].get("isError"), body
@@ -497,3 +497,53 @@ def test_a_tool_argument_over_the_apis_limit_is_the_tools_error_as_over_stdio(
     huge = httpx.post(url, headers=headers, content=b" " * (5 * 1024 * 1024))
     assert huge.status_code == 413
     assert "payload_too_large" in huge.json()["error"]["message"]
+
+
+def test_every_entry_point_authenticates_through_one_function(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/mcp/, the API's views, the stream and waiting claims all take their user from
+    board.api.authentication.authenticate: a token refused there is refused by each."""
+    from board.api import authentication
+    from board.api.authentication import Refused
+
+    seen: list[str] = []
+    real = authentication._authenticate
+
+    def counted(authorization: str, session_key: str) -> Any:
+        seen.append(authorization)
+        return real(authorization, session_key)
+
+    monkeypatch.setattr(authentication, "_authenticate", counted)
+    alice = token_of("alice")
+    bearer = {"Authorization": f"Bearer {alice}"}
+    open_session(f"{server.url}/mcp/", alice)
+    assert seen, "/mcp/"
+    seen.clear()
+    assert httpx.get(f"{server.url}/api/v1/tasks/", headers=bearer).status_code == 200
+    assert seen, "the API's views"
+    seen.clear()
+    assert httpx.head(f"{server.url}/api/v1/stream/", headers=bearer).status_code == 200
+    assert seen, "the stream"
+    seen.clear()
+    claim = httpx.post(
+        f"{server.url}/api/v1/tasks/claim/", headers=bearer, json={"wait": 0.2}, timeout=10
+    )
+    assert claim.status_code == 200
+    assert seen, "a waiting claim"
+
+    def refuse(authorization: str, session_key: str) -> Any:
+        return Refused("Invalid token.", presented=True)
+
+    monkeypatch.setattr(authentication, "_authenticate", refuse)
+    authentication.forget(None)  # /mcp/ would otherwise trust the cache without asking
+    assert httpx.get(f"{server.url}/api/v1/tasks/", headers=bearer).status_code == 401
+    assert httpx.head(f"{server.url}/api/v1/stream/", headers=bearer).status_code == 401
+    claim = httpx.post(f"{server.url}/api/v1/tasks/claim/", headers=bearer, json={"wait": 0.2})
+    assert claim.status_code == 401
+    mcp = httpx.post(
+        f"{server.url}/mcp/",
+        headers={**bearer, "Accept": ACCEPT},
+        json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+    )
+    assert mcp.status_code == 401

@@ -32,6 +32,13 @@ from tests.live import (
 )
 from tests.processes import ServeProcess, eventually
 
+
+def committed_head_id() -> int:
+    """The id of the last event below the horizon, as the relay, streams and pages read it."""
+    _, head = relay_module.run_on_django(relay_module.head_below_horizon())
+    return head.id
+
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -355,7 +362,6 @@ def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None
     written as the log holds it after that: by a transaction whose id has a digit fewer,
     all nines, which sorts after every newer id as text.
     """
-    from board.pages import views
 
     old = transitions.create(actor=agent, title="long ago")
     newest = transitions.create(actor=agent, title="now")
@@ -372,7 +378,7 @@ def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None
         cursor.execute("SELECT max(txid::text) FROM task_events")
         assert cursor.fetchone()[0] == str(old_txid), "as text, the old id sorts last"
 
-    assert views.stream_head_id(views.stream_horizon()) == newest_event.id
+    assert committed_head_id() == newest_event.id
 
     loop = asyncio.new_event_loop()
     relay = relay_module.Relay(relay_module.django_conninfo())
@@ -388,7 +394,6 @@ def test_the_stream_head_compares_transaction_ids_as_numbers(agent: Any) -> None
 def test_event_ids_past_two_to_the_31_resume_a_stream(
     server: LiveServer, watcher: dict[str, str], agent: Any
 ) -> None:
-    from board.pages import views
 
     with connection.cursor() as cursor:
         cursor.execute(
@@ -400,7 +405,7 @@ def test_event_ids_past_two_to_the_31_resume_a_stream(
     second_event = TaskEvent.objects.get(task_id=second.id)
     assert first_event.id > 2**31
 
-    assert views.stream_head_id(views.stream_horizon()) == second_event.id
+    assert committed_head_id() == second_event.id
     with StreamCollector(
         stream_url(server), {**watcher, "Last-Event-ID": str(first_event.id)}
     ) as stream:

@@ -322,3 +322,48 @@ def test_an_expired_lease_in_a_paused_queue_does_not_make_waiting_claims_spin(
     assert response.json() == {"tasks": []}
     assert len(attempts) <= 3, f"{len(attempts)} claim attempts in 2 s"
     assert Task.objects.get(pk=task.pk).status == TaskStatus.IN_PROGRESS
+
+
+def test_a_waiting_claim_parses_its_body_once_and_checks_its_host_once(
+    server: LiveServer,
+    waiter_headers: dict[str, str],
+    agent: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two attempts (the first empty, the second woken by a new task): the body is parsed
+    and the Host checked once for the whole claim, and the view's answer is never parsed
+    back by the waiter."""
+    import json
+
+    import django.http.request
+
+    marker = "parsed-once-queue"
+    parsed: list[str] = []
+    host_checks: list[str] = []
+    real_loads, real_validate = json.loads, django.http.request.validate_host
+
+    def loads(text: Any, *args: Any, **kwargs: Any) -> Any:
+        as_text = text.decode(errors="replace") if isinstance(text, bytes | bytearray) else text
+        if marker in as_text or as_text.startswith('{"tasks"'):
+            parsed.append(as_text)
+        return real_loads(text, *args, **kwargs)
+
+    def validate_host(host: str, allowed: list[str]) -> bool:
+        host_checks.append(host)
+        return real_validate(host, allowed)
+
+    monkeypatch.setattr(json, "loads", loads)
+    monkeypatch.setattr(django.http.request, "validate_host", validate_host)
+    claim = BackgroundClaim(server, waiter_headers, wait=10, queues=[marker])
+    settle()
+    assert not claim.done()
+    task = transitions.create(actor=agent, title="counted work", queue=marker)
+    response, _ = claim.result()
+    monkeypatch.undo()
+
+    assert [t["id"] for t in response.json()["tasks"]] == [task.id]
+    body_parses = [text for text in parsed if marker in text and '"wait"' in text]
+    answer_parses = [text for text in parsed if text.startswith('{"tasks"')]
+    assert len(body_parses) == 1, body_parses
+    assert answer_parses == []
+    assert len(host_checks) == 1, host_checks

@@ -380,10 +380,12 @@ class TaskViewSet(BoardViewSet):
         for claim in claims:
             claim.task.lease_token = claim.lease_token
             tasks.append(claim.task)
-        if not tasks and (report := waiting.empty_claim_report(request)) is not None:
-            # For board.live.waiting, which holds the request between attempts: when work next
-            # becomes claimable without an event to announce it, and the queues this claim
-            # takes from (fewer than its body named, for an agent limited to queues).
+        if not tasks and (report := waiting.claim_report(request)) is not None:
+            # For board.live.waiting, which holds the request between attempts: that it
+            # claimed nothing, when work next becomes claimable without an event to
+            # announce it, and the queues this claim takes from (fewer than its body named,
+            # for an agent limited to queues).
+            report.empty = True
             at = Task.objects.next_claimable_at(queues)
             report.next_claimable = at.timestamp() if at is not None else None
             if self.access.limited:

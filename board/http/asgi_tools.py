@@ -1,15 +1,23 @@
 """The few ASGI pieces shared by what runs in front of Django (board.http.middleware's body
-limit, board.live.stream, board.live.waiting): reading and replaying a request body, sending a
-Django response, noticing a client that hung up, and noticing a server shutting down."""
+limit, board.live.stream, board.live.waiting): reading and replaying a request body, a JSON
+body parsed once for Django too, sending a Django response, noticing a client that hung up,
+and noticing a server shutting down.
+
+Hand-written rather than taken from Starlette or asgiref: the endpoints in front of Django
+need these five things and nothing else of a framework (about 100 lines).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from django.http import HttpResponse
+from rest_framework.utils.json import strict_constant
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -45,6 +53,37 @@ def replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+# Where a body parsed in front of Django is handed to it, in the request's ASGI scope (a2wsgi
+# hands the scope to Django as ``environ["asgi.scope"]``).
+JSON_BODY_KEY = "taskboard.json_body"
+
+
+@dataclass(frozen=True)
+class JSONBody:
+    """A request body parsed as JSON in front of Django, and the text encoding it was
+    decoded with: the API's parser (board.api.parsers) takes it instead of parsing the
+    body again, when it would decode it the same way."""
+
+    encoding: str
+    data: Any
+
+
+def parse_json(body: bytes, encoding: str) -> Any:
+    """Parse ``body`` as the API's parser does (DRF's, strict: no NaN or Infinity); raise
+    ValueError (UnicodeDecodeError included) for what it would refuse."""
+    return json.loads(body.decode(encoding), parse_constant=strict_constant)
+
+
+def json_body(meta: Mapping[str, Any], encoding: str) -> JSONBody | None:
+    """The body parsed in front of Django for the request whose WSGI environ is ``meta``,
+    if it was decoded with ``encoding``; else None."""
+    scope = meta.get("asgi.scope") or {}
+    parsed = scope.get(JSON_BODY_KEY)
+    if isinstance(parsed, JSONBody) and parsed.encoding == encoding:
+        return parsed
+    return None
 
 
 async def send_response(send: Send, response: HttpResponse) -> None:

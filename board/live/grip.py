@@ -33,6 +33,11 @@ Written here rather than taken from django-eventstream: its GRIP path names even
 tables, where the contract's stream has plain event ids, its own preamble, and
 ``task_events`` as the only log. gripcontrol (which django-eventstream uses) provides the
 parsing of ``GRIP_URL``, the signature check and the channel headers.
+
+What holding streams in Pushpin buys, measured by the fan-out benchmark (10,000 streams,
+about 35,000 deliveries a second, docs/performance.md): both server processes together
+used 2.1% of the machine's CPU, publishing each event once, and no process held more than
+2 database connections; Pushpin's own cost was about 41 µs of CPU per delivery.
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -51,6 +51,7 @@ from board import conf
 from board.sql import QUERIES
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHANNEL = "task_events"
 # A queue resumed (board.transitions.resume_queue): its name, for the claims waiting on it.
@@ -93,6 +94,40 @@ class Cursor:
 
 START = Cursor(0, 0)
 END = Cursor(2**64 - 1, 2**63 - 1)  # past any event: xid8 and bigint maxima
+
+# A statement and its parameters, for :func:`head_below_horizon`'s caller to run; the
+# statement's first row (a dict, or None) is sent back.
+Statement = tuple[str, dict[str, Any]]
+
+
+def head_below_horizon() -> Generator[Statement, dict[str, Any] | None, tuple[str, Cursor]]:
+    """The horizon now and the cursor of the last event below it: the head of the part of
+    the log that can no longer change (board/sql/stream.sql), where the relay starts, where
+    a stream that names no event starts, and where a board page's stream resumes.
+
+    The two statements, in this order, for a connection of either kind: it yields each
+    and is sent its first row, by :func:`run_on_django` (the stream, the pages) or by the
+    relay on its own connection (Relay._run_statements). Everything below the horizon has committed
+    by the time the first statement ends, so the head is the same in any later snapshot.
+    """
+    horizon = yield QUERIES["stream_horizon"], {}
+    assert horizon is not None
+    row = yield QUERIES["stream_head"], {"horizon": str(horizon["horizon"])}
+    return str(horizon["horizon"]), Cursor(int(row["txid"]), row["id"]) if row else START
+
+
+def run_on_django(statements: Generator[Statement, dict[str, Any] | None, T]) -> T:
+    """Run ``statements`` (:func:`head_below_horizon`) on this thread's Django connection."""
+    with connection.cursor() as cursor:
+        try:
+            statement = next(statements)
+            while True:
+                cursor.execute(*statement)
+                row = cursor.fetchone()
+                names = [column[0] for column in cursor.description]
+                statement = statements.send(dict(zip(names, row, strict=True)) if row else None)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass(frozen=True, eq=False)
@@ -485,14 +520,7 @@ class Relay:
             cur = await self._execute(conn, QUERIES["credential_changes"])
             changes = {row["user_id"]: row["changes"] for row in await cur.fetchall()}
             if self.head is None:
-                cur = await self._execute(conn, QUERIES["stream_horizon"])
-                horizon = await cur.fetchone()
-                assert horizon is not None
-                cur = await self._execute(
-                    conn, QUERIES["stream_head"], {"horizon": horizon["horizon"]}
-                )
-                row = await cur.fetchone()
-                self.head = Cursor(int(row["txid"]), row["id"]) if row else START
+                _, self.head = await self._run_statements(conn, head_below_horizon())
                 self.buffer_floor = self.head
             async with self._reading:
                 self.unread = False
@@ -668,6 +696,20 @@ class Relay:
                 f"the database did not answer within {self.QUERY_TIMEOUT_SECONDS:g} s"
             ) from None
         return cur
+
+    async def _run_statements(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        statements: Generator[Statement, dict[str, Any] | None, T],
+    ) -> T:
+        """Run ``statements`` (:func:`head_below_horizon`) on the relay's connection."""
+        try:
+            statement = next(statements)
+            while True:
+                cur = await self._execute(conn, *statement)
+                statement = statements.send(await cur.fetchone())
+        except StopIteration as done:
+            return done.value
 
     async def _catch_up(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Read and deliver everything after the head; return whether events are held back."""

@@ -1,7 +1,10 @@
 """Claims that wait for work: ``POST /api/v1/tasks/claim/`` with ``wait`` > 0.
 
 A waiting claim must not cost a thread or a database connection while it waits, so that
-hundreds of idle agents can wait on one small server. The waiting therefore happens here,
+hundreds of idle agents can wait on one small server: 200 claims waiting at once hold no
+connection beyond those the server's worker threads keep anyway, and no thread
+(tests/test_waiting.py), where under Django's handler each would keep a thread of its own
+for as long as it waits (as a stream does: board.live.stream). The waiting therefore happens here,
 in ASGI middleware in front of Django, between claim attempts that each go through Django
 as an ordinary, short request (authentication, validation, the claim statement):
 
@@ -23,10 +26,17 @@ as an ordinary, short request (authentication, validation, the claim statement):
    reports the queues the claim took from, and the waiter is woken for those alone, so
    that it never takes a wake-up meant for a claim that may have the task.
 
-The claim view reports (3) and (4) on an :class:`EmptyClaim` that the waiter puts in the
-request's ASGI scope (``taskboard.empty_claim``; a2wsgi hands the scope to Django as
-``environ["asgi.scope"]``): an object in the process, never a header on the wire. A claim
-that no waiter sent (no such object) reports nothing and costs no query for it.
+What travels between the waiter and the claim view does so once, in the request's ASGI
+scope (a2wsgi hands it to Django as ``environ["asgi.scope"]``), as objects in the process,
+never headers on the wire:
+
+- the body, parsed here once (:class:`~board.http.asgi_tools.JSONBody`), which the API's
+  parser takes instead of parsing it again at each attempt;
+- the Host, checked once in front of everything (taskboard.asgi), which Django's request
+  takes as checked (board.http.middleware.CheckedHostRequest);
+- back from the view, a :class:`ClaimReport` per attempt: whether it claimed nothing, and
+  then (3) and (4). A claim that no waiter sent (no report) reports nothing and costs no
+  query for it.
 
 The waiter joins the room before its first attempt, so a task committed while an attempt
 runs still wakes it: no wake-up is lost between an empty attempt and the wait.
@@ -37,32 +47,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
+
 from board import conf
 from board.http.asgi_tools import (
+    JSON_BODY_KEY,
+    JSONBody,
     Message,
     Receive,
     Scope,
     Send,
     closing,
+    parse_json,
     read_body,
     replaying,
-    send_response,
     until_disconnect,
 )
-from board.http.middleware import disallowed_host
 from board.live.relay import Relay, StreamEvent, get_relay
 
 logger = logging.getLogger(__name__)
 
 CLAIM_PATH = "/api/v1/tasks/claim/"
-SCOPE_KEY = "taskboard.empty_claim"
+SCOPE_KEY = "taskboard.claim_report"
 # Events after which the task is pending (and so possibly claimable) again.
 RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired", "unblocked"}
 LEASE_EVENTS = {"claimed", "heartbeat"}
@@ -71,20 +83,22 @@ _sequence = itertools.count()
 
 
 @dataclass
-class EmptyClaim:
-    """What the claim view reports to the waiter about an attempt that claimed nothing."""
+class ClaimReport:
+    """What the claim view reports to the waiter about one attempt."""
 
+    # Whether it claimed nothing (then the fields below are filled in).
+    empty: bool = False
     # When work next becomes claimable in its queues without an event (a time.time()).
     next_claimable: float | None = None
     # The queues the claim took from, when its agent is limited to queues.
     queues: frozenset[str] | None = None
 
 
-def empty_claim_report(request: Any) -> EmptyClaim | None:
-    """The waiter's EmptyClaim for this claim request, or None when no waiter sent it."""
+def claim_report(request: Any) -> ClaimReport | None:
+    """The waiter's ClaimReport for this claim request, or None when no waiter sent it."""
     scope = getattr(request, "scope", None) or request.META.get("asgi.scope") or {}
     report = scope.get(SCOPE_KEY)
-    return report if isinstance(report, EmptyClaim) else None
+    return report if isinstance(report, ClaimReport) else None
 
 
 @dataclass(eq=False)
@@ -201,16 +215,12 @@ async def waiting_room() -> WaitingRoom:
     return room
 
 
-def parse_wait(body: bytes) -> tuple[float, frozenset[str] | None] | None:
-    """Return (wait seconds, queues) if the body asks to wait, else None.
+def parse_wait(data: Any) -> tuple[float, frozenset[str] | None] | None:
+    """Return (wait seconds, queues) if the parsed body asks to wait, else None.
 
     Only the two fields that matter here are read; Django validates the whole body on each
     attempt and answers 400 for anything wrong, which ends the wait.
     """
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
     if not isinstance(data, dict):
         return None
     wait, queues = data.get("wait", 0), data.get("queues")
@@ -232,14 +242,6 @@ class CapturedResponse:
     def status(self) -> int:
         return int(self.start["status"])
 
-    def claimed_nothing(self) -> bool:
-        if self.status != 200:
-            return False
-        try:
-            return json.loads(self.body).get("tasks") == []
-        except (ValueError, AttributeError):
-            return False
-
     async def send_to(self, send: Send) -> None:
         await send(self.start)
         await send({"type": "http.response.body", "body": self.body})
@@ -257,16 +259,20 @@ class WaitingClaims:
         ):
             await self.app(scope, receive, send)
             return
-        # Refuse a foreign Host before the claim joins the room or starts the relay; Django
-        # would refuse each attempt anyway.
-        if (refused := disallowed_host(scope)) is not None:
-            await send_response(send, refused)
-            return
-        # RequestBodyLimit, in front, has read the body already: this returns it at once.
+        # A foreign Host was refused in front (taskboard.asgi), before the claim could join
+        # the room or start the relay. RequestBodyLimit, in front, has read the body
+        # already: this returns it at once.
         body = await read_body(receive, conf.MAX_BODY_BYTES)
         if body is None:
             return
-        request = parse_wait(body)
+        try:
+            parsed = JSONBody(settings.DEFAULT_CHARSET, parse_json(body, settings.DEFAULT_CHARSET))
+        except (ValueError, RecursionError):
+            # Django answers why (400), parsing it as it parses any body.
+            await self.app(scope, replaying(body, receive), send)
+            return
+        scope = {**scope, JSON_BODY_KEY: parsed}
+        request = parse_wait(parsed.data)
         if request is None:
             await self.app(scope, replaying(body, receive), send)
             return
@@ -286,11 +292,12 @@ class WaitingClaims:
         shutdown = asyncio.ensure_future(closing().wait())
         try:
             while True:
-                report = EmptyClaim()
+                report = ClaimReport()
                 response = await self._attempt({**scope, SCOPE_KEY: report}, body)
                 if report.queues is not None:
                     room.narrow(waiter, report.queues)
-                if not response.claimed_nothing() or time.time() >= deadline or shutdown.done():
+                claimed_nothing = response.status == 200 and report.empty
+                if not claimed_nothing or time.time() >= deadline or shutdown.done():
                     await response.send_to(send)
                     return
                 until = deadline

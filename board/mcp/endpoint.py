@@ -9,8 +9,8 @@ The transport and its sessions are the official SDK's (``StreamableHTTPSessionMa
 what is here is what the board adds around it:
 
 - **Authentication.** Every request needs the API's ``Authorization: Bearer <token>``
-  (checked as the stream checks it: board.live.stream.authorize, failures throttled per
-  address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
+  (board.api.authentication.authenticate, as for every entry point, failures throttled
+  per address), or it is answered ``401`` before it reaches the SDK. A session belongs to the
   token that opened it: the SDK answers ``404`` to a request for it with another token,
   and such a request moves nothing here. Requests of the sessionless protocol version
   (2026-07-28), which the SDK serves without looking at sessions and which could not keep
@@ -80,11 +80,10 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from access import throttle
 from access.tokens import digest as tokens_digest
 from board import conf
-from board.api.authentication import cached_user
+from board.api.authentication import Refused, authenticate, cached_user
 from board.http.asgi_tools import read_body, send_response
 from board.http.errors import error_response
-from board.http.middleware import disallowed_host
-from board.live.stream import authorize
+from board.http.middleware import check_host
 from board.mcp import forwarding
 from taskboard_agent.client import ClaimedTask, Client
 from taskboard_agent.mcp_server import TOOL_CALL_LIMITS, Session, build_server
@@ -426,9 +425,7 @@ class MCPApplication:
                 await self.sessions.end_all()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if (refused := disallowed_host(scope)) is not None:
-            await send_response(send, refused)
-            return
+        # The Host was checked in front (taskboard.asgi, or private_application).
         if self.router is not None:
             routed = await self.route(self.router, scope, receive, send)
             if routed is None:
@@ -579,12 +576,9 @@ class MCPApplication:
             return principal, token
         try:
             # Only a token: a browser's session cookie is no credential for an agent's tools.
-            authorized = await sync_to_async(authorize, thread_sensitive=False)(
-                {"authorization": authorization}, address
+            authorized = await sync_to_async(authenticate, thread_sensitive=False)(
+                authorization, address=address
             )
-        except throttle.Throttled as exc:
-            await send_response(send, throttle.throttled(exc.seconds))
-            return None
         except DatabaseError as exc:
             session_id = headers.get(MCP_SESSION_ID_HEADER)
             if session_id is not None and self.sessions.owned_by(session_id, digest):
@@ -598,11 +592,14 @@ class MCPApplication:
                 headers={"Retry-After": "5"},
             )
             return None
-        if authorized is None:
+        if isinstance(authorized, Refused) and authorized.throttled_for is not None:
+            await send_response(send, throttle.throttled(authorized.throttled_for))
+            return None
+        if isinstance(authorized, Refused):
             presented = keyword.lower() in {"bearer", "token"} and bool(token)
             await _unauthorized(send, refused=presented)
             return None
-        # DRF's token authentication (board.live.stream.authorize) has cached the lookup.
+        # board.api.authentication.authenticate has cached the lookup.
         return principal, token
 
 
@@ -698,6 +695,9 @@ async def private_application(scope: Scope, receive: Any, send: Any) -> None:
         return
     if scope["type"] != "http" or scope["path"] not in PATHS:
         await send_response(send, error_response(404, "not_found", "Only /mcp/ is served here."))
+        return
+    if (refused := check_host(scope)) is not None:
+        await send_response(send, refused)
         return
     await application(forwarding.forwarded_scope(scope), receive, send)
 

@@ -28,8 +28,10 @@ So, when ``serve`` runs several processes (it then names a private directory in
 This is hand-written because nothing routes MCP sessions between the processes of one
 server: the SDK keeps sessions in process memory and has no store to share them, uvicorn
 spreads connections at random, and a proxy in front (Pushpin included) cannot pick a
-process behind one shared port. The directory is made by ``serve`` with mode 0700, so
-only the server's own user can reach the sockets.
+process behind one shared port. Without it, a session's request would reach the process
+that holds the session with a chance of 1 in N: under ``serve --workers 2``, half of a
+session's requests would be answered 404 and the session lost. The directory is made by
+``serve`` with mode 0700, so only the server's own user can reach the sockets.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from board.access import QueueAccess, queue_access
 from board.api.permissions import may_pause_queues
 from board.api.serializers import TaskSerializer
 from board.exceptions import ForbiddenQueue, InvalidTransition, TaskNotFound
+from board.live.relay import head_below_horizon, run_on_django
 from board.models import QUEUE_PATTERN, EventType, Task, TaskEvent, TaskStatus
 from board.notifications import deliveries
 from board.pages.forms import MAX_NOTE_LENGTH, CommentForm, QueueNoteForm
@@ -120,29 +121,6 @@ COLUMNS = [
         finished=True,
     ),
 ]
-
-
-def stream_horizon() -> str:
-    """Return the stream's horizon now (see stream_horizon in board/sql/stream.sql).
-
-    Call it before the page's snapshot is taken, in a statement of its own: everything
-    below it is then either visible to that snapshot or will never exist.
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(QUERIES["stream_horizon"])
-        return str(cursor.fetchone()[0])
-
-
-def stream_head_id(horizon: str) -> int:
-    """Return the id of the last event below ``horizon``, or 0 if there is none.
-
-    A stream resumed from this id delivers every event past it. Some of those may
-    already be visible to the caller's snapshot: see :func:`unstable_event_ids`.
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(QUERIES["stream_head"], {"horizon": horizon})
-        row = cursor.fetchone()
-    return int(row[1]) if row else 0
 
 
 def unstable_event_ids(horizon: str, task_id: int | None = None) -> list[int]:
@@ -230,9 +208,11 @@ def home(request: HttpRequest) -> HttpResponse:
     and at a glance every queue and agent."""
     queue = queue_filter(request)
     access = queue_access(request.user)
-    horizon = stream_horizon()
+    # Before the page's snapshot: everything below the horizon is then either visible to
+    # it or will never exist.
+    horizon, head = run_on_django(head_below_horizon())
+    resume_id = head.id
     with page_snapshot():
-        resume_id = stream_head_id(horizon)
         skip = unstable_event_ids(horizon)
         # A user limited to queues (board.access) sees only those, here as in the API.
         visible = access.visible(Task.objects.all())
@@ -334,9 +314,11 @@ def _task_page(
     """Render a task's page, with ``form`` (a comment that was refused) or ``triage_form``
     (a requeue, resolve or cancel that was refused) if given."""
     access = queue_access(request.user)
-    horizon = stream_horizon()
+    # Before the page's snapshot: everything below the horizon is then either visible to
+    # it or will never exist.
+    horizon, head = run_on_django(head_below_horizon())
+    resume_id = head.id
     with page_snapshot():
-        resume_id = stream_head_id(horizon)
         visible = access.visible(Task.objects.all())
         task = get_object_or_404(visible, pk=pk)
         page = requested_page(task.pk, request.GET)
