@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import logging
+import os
 import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +39,9 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "deploy" / "pushpin"
 INTERNAL_PORTS = range(5560, 5564)
 SETTLE_SECONDS = 1.0
 PUBLISH_PORT = 5561  # push_in_http_port: where events are published (board.live.grip)
+# The longest run directory whose sockets' paths fit: the longest socket name in
+# pushpin.conf and its services (condure: "pushpin-condure-out-stream") is under 40 bytes.
+MAX_RUN_DIRECTORY = 60
 
 
 class PushpinUnavailable(RuntimeError):
@@ -61,7 +67,7 @@ def render(
     for sub in ("run", "log"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     values = {
-        "rundir": str(directory / "run"),
+        "rundir": str(run_directory(directory)),
         "logdir": str(directory / "log"),
         "http_port": str(http_port),
         "port_offset": str(port_offset),
@@ -77,10 +83,30 @@ def render(
     return directory / "pushpin.conf"
 
 
+def run_directory(directory: Path) -> Path:
+    """Where Pushpin's services put their unix sockets (``ipc://`` in pushpin.conf):
+    ``directory/run``, or, when that path is too long for a socket's (the kernel caps one
+    at 107 bytes, and condure fails with "File name too long"), a private directory of this
+    user's under the system's temporary directory, named after ``directory`` so that a
+    restarted Pushpin finds the same one."""
+    run = directory / "run"
+    if len(str(run)) <= MAX_RUN_DIRECTORY:
+        return run
+    name = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+    short = Path(tempfile.gettempdir()) / f"taskboard-pushpin-{name}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    if short.stat().st_uid != os.getuid() or short.stat().st_mode & 0o077:
+        raise PushpinUnavailable(f"{short} is not this user's private directory")
+    return short
+
+
 def free_port_offset(host: str = "127.0.0.1") -> int:
     """Return an offset (a multiple of 10 from 100) at which Pushpin's internal ports are
-    free, so that several boards (or a system Pushpin) can share a host."""
-    for offset in range(100, 10_000, 10):
+    free, so that several boards (or a system Pushpin) can share a host. The search starts
+    at a random offset, so that boards started at the same moment rarely pick the same."""
+    offsets = list(range(100, 10_000, 10))
+    start = secrets.randbelow(len(offsets))
+    for offset in offsets[start:] + offsets[:start]:
         if all(_is_free(host, port + offset) for port in INTERNAL_PORTS):
             return offset
     raise PushpinUnavailable("no free ports for Pushpin's internal sockets")

@@ -430,3 +430,21 @@ def test_a_request_whose_process_is_killed_inside_the_database_is_not_sent_again
         again = api.post(path, json=body)
         assert again.status_code == 409 and again.json()["status"] == "done", again.text
     api.close()
+
+
+def test_a_pushpin_whose_directory_is_too_deep_for_its_sockets_starts(tmp_path: Path) -> None:
+    # A data directory deep enough that "<dir>/run/pushpin-condure-out-stream" passes the
+    # kernel's 107 bytes for a socket's path: condure refused to bind ("File name too
+    # long") and Pushpin never answered.
+    from taskboard.pushpin import Pushpin, run_directory
+
+    deep = tmp_path / ("d" * 40) / ("e" * 40)
+    edge = Pushpin(deep, http_port=free_port(), origin=f"127.0.0.1:{free_port()}")
+    try:
+        edge.start().wait_ready()
+    finally:
+        edge.stop()
+    short = run_directory(deep)
+    assert short != deep / "run" and len(str(short)) <= 60
+    assert short.stat().st_mode & 0o777 == 0o700
+    assert run_directory(deep) == short, "a restarted Pushpin finds the same directory"
