@@ -230,11 +230,12 @@ class Pushpin:
         proxy, the handler), found by their configuration's directory on their command
         line: the runner puts them in process groups of their own, and a killed runner
         leaves them behind, holding the port."""
-        mine = str(self.directory)
+        # condure's command line names only the run directory, the others' the directory.
+        mine = (str(self.directory), str(run_directory(self.directory)))
         found = []
         for process in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
-                if any(mine in part for part in process.info["cmdline"] or ()):
+                if any(m in part for part in process.info["cmdline"] or () for m in mine):
                     found.append(process)
         for process in found:
             with contextlib.suppress(psutil.Error):

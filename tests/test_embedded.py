@@ -4,9 +4,12 @@ every process that uses it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -62,9 +65,24 @@ def test_concurrent_processes_share_one_server_which_stops_after_the_last(tmp_pa
     assert postmasters_for(data_dir) == [], "the last process to leave stops the server"
 
 
-def test_a_server_command_run_elsewhere_uses_the_database_serve_runs_on(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A temporary directory with a short path. The embedded server puts its unix socket
+    (whose path the kernel caps at 107 bytes) in its data directory when the path fits, and
+    otherwise in the runtime directory, whose parents it then opens to everyone (0755):
+    that would make platformdirs refuse the runtime directory and fall back to a shared
+    one. pytest's tmp_path is longer under xdist (popen-gwN)."""
+    path = Path(tempfile.mkdtemp(prefix="tb-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_server_command_run_elsewhere_uses_the_database_serve_runs_on(
+    short_tmp_path: Path,
+) -> None:
     # `cd elsewhere && taskboard create_agent my-agent` made an empty database there and
     # died on it with a traceback.
+    tmp_path = short_tmp_path
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     (tmp_path / "checkout").mkdir()

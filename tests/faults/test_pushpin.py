@@ -432,19 +432,33 @@ def test_a_request_whose_process_is_killed_inside_the_database_is_not_sent_again
     api.close()
 
 
-def test_a_pushpin_whose_directory_is_too_deep_for_its_sockets_starts(tmp_path: Path) -> None:
+def test_a_pushpin_whose_directory_is_too_deep_for_its_sockets_starts_and_restarts(
+    tmp_path: Path,
+) -> None:
     # A data directory deep enough that "<dir>/run/pushpin-condure-out-stream" passes the
     # kernel's 107 bytes for a socket's path: condure refused to bind ("File name too
-    # long") and Pushpin never answered.
+    # long") and Pushpin never answered. Its sockets then live elsewhere, and a runner
+    # killed with SIGKILL must still have every service it left behind killed (condure's
+    # command line names only that other directory), or the new one finds its port held.
     from taskboard.pushpin import Pushpin, run_directory
 
     deep = tmp_path / ("d" * 40) / ("e" * 40)
     edge = Pushpin(deep, http_port=free_port(), origin=f"127.0.0.1:{free_port()}")
+    short = run_directory(deep)
     try:
         edge.start().wait_ready()
+        assert edge.process is not None
+        edge.process.kill()
+        eventually(lambda: edge.restarts == 1, timeout=30, what="a restart")
+        edge.wait_ready()
+        assert edge.process.poll() is None, "the restarted Pushpin runs"
     finally:
         edge.stop()
-    short = run_directory(deep)
     assert short != deep / "run" and len(str(short)) <= 60
     assert short.stat().st_mode & 0o777 == 0o700
     assert run_directory(deep) == short, "a restarted Pushpin finds the same directory"
+    assert not [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any(str(short) in part for part in p.info["cmdline"] or ())
+    ], "stopped with every service it started"
