@@ -18,10 +18,36 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 2 * (os.cpu_count() or 1)
 
 
+# What puts a test in the server tier: a committed database that other connections see, or
+# a server of its own.
+SERVER_FIXTURES = frozenset(
+    {"transactional_db", "live_server", "server", "start_serve", "browser", "page", "person"}
+)
+
+
+def tier(item: pytest.Item) -> str:
+    """The tier of a test: ``fault`` (tests/faults/: faults caused on real processes),
+    ``server`` (a real server, processes, or a committed database; and whatever is marked
+    ``slow`` or ``once``), or ``unit`` (a transaction rolled back, in the test process)."""
+    if "faults" in item.path.parts:
+        return "fault"
+    if (
+        item.get_closest_marker("slow")
+        or item.get_closest_marker("once")
+        or SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        or any(m.kwargs.get("transaction") for m in item.iter_markers("django_db"))
+    ):
+        return "server"
+    return "unit"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the long tests first (``once``: faults, the browser, scale; then ``slow``), so
-    that xdist's workers end together instead of one finishing a fault test alone at the
-    end. The sort is stable: within each group, files keep their order."""
+    """Mark each test with its tier (``pytest -m unit`` runs the fast tier alone), and run
+    the long tests first (``once``: faults, the browser, scale; then ``slow``), so that
+    xdist's workers end together instead of one finishing a fault test alone at the end.
+    The sort is stable: within each group, files keep their order."""
+    for item in items:
+        item.add_marker(tier(item))
 
     def weight(item: pytest.Item) -> int:
         return 0 if item.get_closest_marker("once") else 1 if item.get_closest_marker("slow") else 2
@@ -109,6 +135,12 @@ def api() -> Callable[[Any], APIClient]:
         return client
 
     return client_for
+
+
+@pytest.fixture
+def agent_api(api: Callable[[Any], APIClient], agent: Any) -> APIClient:
+    """The API as the agent ``agent``."""
+    return api(agent)
 
 
 # Fixtures for tests that need a PostgreSQL connection of their own, beside Django's: a
