@@ -127,6 +127,12 @@ def claim(client: APIClient, **body: Any) -> list[dict[str, Any]]:
     return list(response.json()["tasks"])
 
 
+def create(client: APIClient, **body: Any) -> dict[str, Any]:
+    response = post(client, "tasks/", {"title": "t", **body})
+    assert response.status_code == 201, response.content
+    return dict(response.json())
+
+
 def claim_one(client: APIClient, **body: Any) -> dict[str, Any]:
     tasks = claim(client, **body)
     assert len(tasks) == 1, tasks
@@ -172,11 +178,6 @@ def walk_pages(client: APIClient, first_url: str) -> list[list[dict[str, Any]]]:
         url = body["next"]
         assert len(pages) < 50, "next never ends"
     return pages
-
-
-@pytest.fixture
-def agent_api(api: Callable[[Any], APIClient], agent: Any) -> APIClient:
-    return api(agent)
 
 
 @pytest.fixture

@@ -87,11 +87,6 @@ def assert_unavailable(response: Any) -> None:
     assert isinstance(body["detail"], str) and body["detail"]
 
 
-@pytest.fixture
-def agent_api(api: Callable[[Any], APIClient], agent: Any) -> APIClient:
-    return api(agent)
-
-
 def test_healthz_answers_ok_without_credentials() -> None:
     response = Client().get("/healthz")
 
