@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,9 +14,10 @@ from tests.factories import StaffFactory, TaskFactory, TokenFactory, UserFactory
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (pyproject's addopts): two workers a core. Most of the suite's time is
-    spent waiting on real servers, processes and leases, not on the CPU: on a 2-core
-    machine the whole suite took 1,119 s on one worker and 372 s on four."""
+    """``-n auto`` (pyproject's addopts): two workers a core. Much of the suite's time is
+    spent waiting on real servers, processes and leases rather than on the CPU: on a 2-core
+    machine the whole suite took 1,119 s on one worker (PostgreSQL 15, without the browser
+    and Pushpin tests) and 764 s on four (embedded PostgreSQL, all of it)."""
     return 2 * (os.cpu_count() or 1)
 
 
@@ -41,18 +44,34 @@ def tier(item: pytest.Item) -> str:
     return "unit"
 
 
+# Seconds that each test of a second or more took in a run of the whole suite (junit XML:
+# `pytest --junitxml`), for the order below. Stale figures only make the order worse.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier (``pytest -m unit`` runs the fast tier alone), and run
-    the long tests first (``once``: faults, the browser, scale; then ``slow``), so that
-    xdist's workers end together instead of one finishing a fault test alone at the end.
-    The sort is stable: within each group, files keep their order."""
+    the longest tests first, so that xdist's workers end together instead of one finishing
+    a fault test alone at the end (longest processing time first). A test not in
+    DURATIONS counts by its marks: ``once`` (faults, the browser, scale), ``slow``, or
+    neither. xdist has no such scheduling of its own (``--dist load`` hands tests out in
+    collection order); the sort is stable, so files otherwise keep their order."""
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     for item in items:
         item.add_marker(tier(item))
 
-    def weight(item: pytest.Item) -> int:
-        return 0 if item.get_closest_marker("once") else 1 if item.get_closest_marker("slow") else 2
+    def expected(item: pytest.Item) -> float:
+        if item.nodeid in seconds:
+            return seconds[item.nodeid]
+        return (
+            5.0
+            if item.get_closest_marker("once")
+            else 2.0
+            if item.get_closest_marker("slow")
+            else 0.1
+        )
 
-    items.sort(key=weight)
+    items.sort(key=expected, reverse=True)
 
 
 def _event_log_triggers(action: str) -> str:

@@ -44,6 +44,10 @@ from tests.factories import TokenFactory, UserFactory, grant
 from tests.live import LiveServer, free_port, live_server
 from tests.processes import eventually
 
+# The Python client against a live server: what it tests is the client's side, the same
+# on any PostgreSQL (the server's side is tested on both by the API's tests).
+pytestmark = pytest.mark.once
+
 live = pytest.mark.django_db(transaction=True)
 
 

@@ -18,6 +18,9 @@ from django.test import Client
 
 from tests.processes import ServeProcess
 
+# TLS in front of the board: the same on any PostgreSQL.
+pytestmark = pytest.mark.once
+
 CHROMIUM = Path("/usr/bin/chromium")
 HTTPS = {"X-Forwarded-Proto": "https"}
 

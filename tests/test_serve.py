@@ -20,6 +20,9 @@ from taskboard.management.commands.serve import Command
 from tests.factories import TokenFactory, UserFactory
 from tests.processes import ServeProcess, free_port
 
+# `taskboard serve`'s processes and listener: the same on any PostgreSQL.
+pytestmark = pytest.mark.once
+
 
 @pytest.mark.slow
 def test_a_first_run_prints_the_secrets_once_and_serves_an_agent(tmp_path: Path) -> None:

@@ -42,7 +42,8 @@ def committed_head_id() -> int:
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture(params=["direct", "pushpin"])
+# Through Pushpin, the stream is the same SQL as without it: once is enough for that path.
+@pytest.fixture(params=["direct", pytest.param("pushpin", marks=pytest.mark.once)])
 def server(request: Any, tmp_path: Any, settings: Any) -> Iterator[LiveServer]:
     """The server of each test below: uvicorn itself, and uvicorn behind a real Pushpin
     that holds the streams (board.live.grip), so that every test here holds for both paths."""

@@ -24,6 +24,9 @@ from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
 from tests.processes import ROOT, WorkerProcess, cli_env, eventually
 
+# `taskboard work` against a live server: the agent's side, the same on any PostgreSQL.
+pytestmark = pytest.mark.once
+
 WORKER = "worker-bee"
 
 live = pytest.mark.django_db(transaction=True)
