@@ -49,29 +49,45 @@ def tier(item: pytest.Item) -> str:
 DURATIONS = Path(__file__).with_name("durations.json")
 
 
+def database_rank(item: pytest.Item) -> int:
+    """0 for a test whose transaction is rolled back, 1 for the rest. pytest-django runs
+    the first kind first, as Django does: a transactional test's flush empties the rows
+    that migrations seed, and a test's own server or processes commit what they write.
+    Among the rest the order does not matter (a transactional test's flush runs after it)."""
+    marker = item.get_closest_marker("django_db")
+    fixtures = getattr(item, "fixturenames", ())
+    if (marker and (marker.kwargs.get("transaction") or marker.kwargs.get("reset_sequences"))) or (
+        "transactional_db" in fixtures or "live_server" in fixtures
+    ):
+        return 1
+    return 0 if marker or "db" in fixtures else 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier (``pytest -m unit`` runs the fast tier alone), and run
-    the longest tests first, so that xdist's workers end together instead of one finishing
-    a fault test alone at the end (longest processing time first). A test not in
-    DURATIONS counts by its marks: ``once`` (faults, the browser, scale), ``slow``, or
-    neither. xdist has no such scheduling of its own (``--dist load`` hands tests out in
-    collection order); the sort is stable, so files otherwise keep their order."""
+    the longest tests first within the order of :func:`database_rank`, so that
+    xdist's workers end together instead of one finishing a fault test alone at the end
+    (longest processing time first). A test not in DURATIONS counts by its marks: ``once``
+    (faults, the browser, scale), ``slow``, or neither. xdist has no such scheduling of its
+    own: it hands tests out in collection order, and ``--dist load`` in chunks, with which
+    the first worker took the longest quarter of the suite at once; ``--dist loadgroup``
+    (pyproject's addopts) hands them out one at a time (one group at a time, for tests
+    marked with an ``xdist_group``)."""
     seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     for item in items:
         item.add_marker(tier(item))
 
-    def expected(item: pytest.Item) -> float:
+    def own(item: pytest.Item) -> float:
         if item.nodeid in seconds:
             return seconds[item.nodeid]
-        return (
-            5.0
-            if item.get_closest_marker("once")
-            else 2.0
-            if item.get_closest_marker("slow")
-            else 0.1
-        )
+        if item.get_closest_marker("once"):
+            return 5.0
+        return 2.0 if item.get_closest_marker("slow") else 0.1
 
-    items.sort(key=expected, reverse=True)
+    def expected(item: pytest.Item) -> tuple[int, float]:
+        return database_rank(item), -own(item)
+
+    items.sort(key=expected)
 
 
 def _event_log_triggers(action: str) -> str:
