@@ -17,7 +17,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject's addopts): two workers a core. Much of the suite's time is
     spent waiting on real servers, processes and leases rather than on the CPU: on a 2-core
     machine the whole suite took 1,119 s on one worker (PostgreSQL 15, without the browser
-    and Pushpin tests) and 764 s on four (embedded PostgreSQL, all of it)."""
+    and Pushpin tests) and 596 s on four (embedded PostgreSQL, all of it)."""
     return 2 * (os.cpu_count() or 1)
 
 

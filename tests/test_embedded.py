@@ -42,8 +42,22 @@ def postmasters_for(data_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def test_concurrent_processes_share_one_server_which_stops_after_the_last(tmp_path: Path) -> None:
-    data_dir = (tmp_path / "pgdata").resolve()
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A temporary directory with a short path. The embedded server puts its unix socket
+    (whose path the kernel caps at 107 bytes) in its data directory when the path fits, and
+    otherwise in the runtime directory, whose parents it then opens to everyone (0755):
+    that would make platformdirs refuse the runtime directory and fall back to a shared
+    one. pytest's tmp_path is longer under xdist (popen-gwN)."""
+    path = Path(tempfile.mkdtemp(prefix="tb-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_concurrent_processes_share_one_server_which_stops_after_the_last(
+    short_tmp_path: Path,
+) -> None:
+    data_dir = (short_tmp_path / "pgdata").resolve()
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", HOLD_A_HANDLE, str(data_dir)],
@@ -63,18 +77,6 @@ def test_concurrent_processes_share_one_server_which_stops_after_the_last(tmp_pa
             proc.communicate("\n", timeout=60)
 
     assert postmasters_for(data_dir) == [], "the last process to leave stops the server"
-
-
-@pytest.fixture
-def short_tmp_path() -> Iterator[Path]:
-    """A temporary directory with a short path. The embedded server puts its unix socket
-    (whose path the kernel caps at 107 bytes) in its data directory when the path fits, and
-    otherwise in the runtime directory, whose parents it then opens to everyone (0755):
-    that would make platformdirs refuse the runtime directory and fall back to a shared
-    one. pytest's tmp_path is longer under xdist (popen-gwN)."""
-    path = Path(tempfile.mkdtemp(prefix="tb-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_server_command_run_elsewhere_uses_the_database_serve_runs_on(
