@@ -393,6 +393,25 @@ max_failures: Integer = Integer(
     maximum=100,
     description=("strikes before escalation, for a task created without `max_failures`"),
 )
+answer_within: Integer = Integer(
+    "TASKBOARD_ANSWER_WITHIN",
+    86400,
+    minimum=60,
+    maximum=2592000,
+    description=(
+        "how long a person has to answer an agent's question asked without `answer_within` "
+        "(seconds); the task is escalated when nobody answered by then"
+    ),
+)
+answer_hold_seconds: Integer = Integer(
+    "TASKBOARD_ANSWER_HOLD_SECONDS",
+    300,
+    minimum=0,
+    maximum=86400,
+    description=(
+        "how long after the answer only the agent that asked may claim the task (0: anyone at once)"
+    ),
+)
 max_attempt_seconds: OptionalInteger = OptionalInteger(
     "TASKBOARD_MAX_ATTEMPT_SECONDS",
     None,

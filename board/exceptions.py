@@ -125,6 +125,13 @@ class InvalidTask(BoardError, ValueError):
     code = "invalid"
 
 
+class InvalidAnswer(BoardError, ValueError):
+    """An answer that does not answer the open question (board.questions.check_answer)."""
+
+    code = "invalid"
+    field = "answer"
+
+
 class EventLogIsAppendOnly(BoardError):
     """Something tried to update, delete or truncate task_events."""
 

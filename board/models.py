@@ -30,6 +30,7 @@ class TaskStatus(models.TextChoices):
     DONE = "done"
     ESCALATED = "escalated"
     CANCELLED = "cancelled"
+    AWAITING_INPUT = "awaiting_input"
 
 
 class EventType(models.TextChoices):
@@ -46,10 +47,18 @@ class EventType(models.TextChoices):
     CANCELLED = "cancelled"
     COMMENTED = "commented"
     UNBLOCKED = "unblocked"
+    ASKED = "asked"
+    ANSWERED = "answered"
 
 
 MAX_ATTEMPT_SECONDS = 604800
 MAX_DEPENDENCIES = 100
+MAX_REQUIRES = 20
+LABEL_PATTERN = r"^[a-z0-9][a-z0-9:._-]{0,63}\Z"
+label_validator = RegexValidator(
+    LABEL_PATTERN,
+    "Labels are 1 to 64 characters of a-z, 0-9, ':', '.', '_' and '-', starting with a-z or 0-9.",
+)
 
 
 class TaskQuerySet(models.QuerySet["Task"]):
@@ -66,17 +75,25 @@ class TaskQuerySet(models.QuerySet["Task"]):
         return self.filter(condition) if blocked else self.exclude(condition)
 
     def next_claimable_at(self, queues: Sequence[str] | None = None) -> datetime | None:
-        """Return when the next task in ``queues`` becomes claimable without any event:
-        a pending task's future run_after, or an in-progress task's lease deadline. Paused
-        queues are left out (their resume is an event of its own), and so are blocked
-        tasks (their unblocking is an event)."""
+        """Return when the next task in ``queues`` becomes claimable, or a claim has work
+        to do, without any event: a pending task's future run_after, the end of its hold
+        for the agent that asked, an in-progress task's lease deadline, or the deadline
+        of a question (escalated by the claim then). Paused queues are left out (their
+        resume is an event of its own), and so are blocked tasks (their unblocking is an
+        event)."""
         tasks = self.filter(queue__in=queues) if queues else self
         tasks = tasks.exclude(queue__in=QueueState.objects.filter(paused=True).values("name"))
-        due = tasks.filter(
-            status=TaskStatus.PENDING, open_dependencies=0, run_after__gt=Now()
-        ).aggregate(at=Min("run_after"))["at"]
+        pending = tasks.filter(status=TaskStatus.PENDING, open_dependencies=0)
+        due = pending.filter(run_after__gt=Now()).aggregate(at=Min("run_after"))["at"]
+        hold = pending.filter(held_for__isnull=False, held_until__gt=Now()).aggregate(
+            at=Min("held_until")
+        )["at"]
         expiry = tasks.filter(status=TaskStatus.IN_PROGRESS).aggregate(at=Min("leased_until"))["at"]
-        return min((at for at in (due, expiry) if at is not None), default=None)
+        question = tasks.filter(status=TaskStatus.AWAITING_INPUT).aggregate(at=Min("answer_by"))[
+            "at"
+        ]
+        times = (due, hold, expiry, question)
+        return min((at for at in times if at is not None), default=None)
 
 
 class Task(models.Model):
@@ -158,6 +175,42 @@ class Task(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(MAX_ATTEMPT_SECONDS)],
     )
     attempt_started_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    # -- Humans in the loop (contract: "Additions to v1 (second round)") --
+    # Only this user may claim the task (a username; null: anyone). Claims of other users
+    # never see it: the claim's open indexes hold only unassigned tasks without requires.
+    assignee = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        to_field="username",
+        db_column="assignee",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="+",
+        db_index=False,
+    )
+    # Labels the claimant's capabilities must include (board.models.Capabilities).
+    requires = ArrayField(
+        models.CharField(max_length=64, validators=[label_validator]),
+        default=list,
+        db_default=[],
+        blank=True,
+        size=MAX_REQUIRES,
+    )
+    # The open question while awaiting input (what GET shows as ``question``), with the
+    # id of its ``asked`` event; null otherwise. Written by the ``ask`` statement, which
+    # writes the event with the same id, so the task reads without a join.
+    question = models.JSONField(null=True, blank=True, editable=False)
+    # When an unanswered question escalates: set exactly while awaiting input.
+    answer_by = models.DateTimeField(null=True, blank=True, editable=False)
+    # Every answered question, oldest first, each with its answer.
+    answers = models.JSONField(default=list, db_default=[], blank=True, editable=False)
+    # After an answer, only held_for (the asker) may claim the task until held_until.
+    held_for = models.CharField(  # noqa: DJ001 (a username or none)
+        max_length=150, null=True, blank=True, editable=False
+    )
+    held_until = models.DateTimeField(null=True, blank=True, editable=False)
+
     # Unique per creator (a partial unique index): a create that repeats a key creates
     # nothing. The fingerprint is a SHA-256 of the create's validated body, to tell a retry
     # (same body) from a conflict (another body).
@@ -209,6 +262,21 @@ class Task(models.Model):
                 ),
                 name="tasks_lease_iff_in_progress",
             ),
+            # A task awaits input exactly when it has an open question and its deadline.
+            models.CheckConstraint(
+                condition=(
+                    models.Q(
+                        status=TaskStatus.AWAITING_INPUT,
+                        question__isnull=False,
+                        answer_by__isnull=False,
+                    )
+                    | (
+                        ~models.Q(status=TaskStatus.AWAITING_INPUT)
+                        & models.Q(question__isnull=True, answer_by__isnull=True)
+                    )
+                ),
+                name="tasks_question_iff_awaiting_input",
+            ),
             models.CheckConstraint(
                 condition=models.Q(max_attempt_seconds__gte=1)
                 & models.Q(max_attempt_seconds__lte=MAX_ATTEMPT_SECONDS),
@@ -223,7 +291,9 @@ class Task(models.Model):
                 name="tasks_idempotency_key_unique",
             ),
         ]
-        # The claim's partial indexes are created in migration 0002 with raw SQL.
+        # The claim's partial indexes are created in migrations with raw SQL (0002, 0008,
+        # 0020).
+        permissions = [("answer_task", "Can answer the questions agents ask")]
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.title}"
@@ -333,6 +403,35 @@ class QueueLimit(models.Model):
         self.queues = sorted(set(self.queues))
 
 
+class Capabilities(models.Model):
+    """The labels one user (an agent, or a person) offers: a claim takes a task only when
+    the task's ``requires`` are among them. A user without a row has none."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="capabilities",
+    )
+    labels = ArrayField(
+        models.CharField(max_length=64, validators=[label_validator]),
+        default=list,
+        blank=True,
+        help_text="Comma-separated labels, e.g. gpu,python.",
+    )
+
+    class Meta:
+        db_table = "user_capabilities"
+        verbose_name = "capabilities"
+        verbose_name_plural = "capabilities"
+
+    def __str__(self) -> str:
+        return f"{self.user_id}: {', '.join(self.labels)}"
+
+    def clean(self) -> None:
+        self.labels = sorted(set(self.labels))
+
+
 class QueueState(models.Model):
     """Whether a queue is paused, as of its last pause or resume (board.transitions)."""
 
@@ -390,6 +489,7 @@ class QueueCounter(models.Model):
     escalated = models.BigIntegerField(default=0)
     done = models.BigIntegerField(default=0)
     cancelled = models.BigIntegerField(default=0)
+    awaiting_input = models.BigIntegerField(default=0, db_default=0)
 
     class Meta:
         db_table = "queue_counters"

@@ -11,7 +11,15 @@ from django.db import connection
 from board.access import QueueAccess
 from board.sql import QUERIES
 
-COUNTS = ("pending", "blocked", "in_progress", "escalated", "done", "cancelled")
+COUNTS = (
+    "pending",
+    "blocked",
+    "in_progress",
+    "escalated",
+    "done",
+    "cancelled",
+    "awaiting_input",
+)
 
 
 def _rows(name: str, access: QueueAccess | None, **extra: Any) -> list[dict[str, Any]]:

@@ -13,6 +13,16 @@ pages and the command line call these functions and nothing else to change a tas
        └──(strike < max)──┘  └── lease expires: a strike, found by the next claim
     escalated, done, cancelled ──requeue──▶ pending (strikes reset)
     pending, escalated ──cancel──▶ cancelled
+    in_progress ──ask──▶ awaiting_input ──answer──▶ pending (held for the asker a while)
+                              └── no answer by its deadline, found by the next claim ─▶ escalated
+
+Humans in the loop: the holder may ``ask`` a person instead of failing; the lease ends
+without a strike, and the task waits for an ``answer`` (board.questions says what answers
+it). The answer makes it pending again, held for the agent that asked for
+TASKBOARD_ANSWER_HOLD_SECONDS: other claims pass it by, the asker's claim takes it first.
+A question unanswered by its deadline is escalated by the next claim on its queue, as an
+expired lease is recorded. A task with an ``assignee`` is claimed only by that user, one
+that ``requires`` labels only by a user whose capabilities include them.
 
 Work graphs: a task created with ``depends_on`` is pending but blocked (not claimable)
 until every dependency is done; the transition that makes the last one done (complete,
@@ -42,7 +52,7 @@ from django.contrib.auth.models import AnonymousUser
 from django.db import transaction
 from psycopg.types.json import Jsonb
 
-from board import conf, partitions, sql
+from board import conf, partitions, questions, sql
 from board.exceptions import IdempotencyConflict, InvalidTransition, LeaseLost, TaskNotFound
 from board.models import QueueState, Task, TaskEvent, TaskStatus
 from board.sql import QUERIES
@@ -157,6 +167,8 @@ def create(
     depends_on: Sequence[int] = (),
     parent_id: int | None = None,
     max_attempt_seconds: int | None = None,
+    assignee: str | None = None,
+    requires: Sequence[str] = (),
 ) -> Task:
     """Create a pending task and record its ``created`` event.
 
@@ -176,6 +188,8 @@ def create(
         run_after=run_after,
         depends_on=depends_on,
         parent_id=parent_id,
+        assignee=assignee,
+        requires=requires,
         **attempt,
     )
     return task
@@ -209,6 +223,13 @@ def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> 
         "max_attempt_seconds": conf.max_attempt_seconds(),
         **fields,
     }
+    # Left out of the fingerprint when not given, so that it reads as it did without them.
+    if fields.get("assignee") is None:
+        fields.pop("assignee", None)
+    if fields.get("requires"):
+        fields["requires"] = sorted(set(fields["requires"]))
+    else:
+        fields.pop("requires", None)
     fields["payload"] = fields["payload"] if fields["payload"] is not None else {}
     if fields["max_failures"] is None:
         fields["max_failures"] = conf.max_failures()
@@ -221,6 +242,8 @@ def create_once(*, actor: Actor, idempotency_key: str | None, **fields: Any) -> 
         "payload": Jsonb(fields["payload"]),
         "idempotency_key": idempotency_key,
         "idempotency_fingerprint": digest,
+        "assignee": fields.get("assignee"),
+        "requires": fields.get("requires", []),
     }
     rows = _rows("create", params)
     if rows:
@@ -309,6 +332,68 @@ def complete(*, task_id: int, actor: Actor, lease_token: str, result: Any = None
         if task.has_dependents:
             _rows("unblock_dependents", {"task_id": task.pk})
     return task
+
+
+def ask(
+    *,
+    task_id: int,
+    actor: Actor,
+    lease_token: str,
+    question: str,
+    options: Sequence[str] | None = None,
+    answer_schema: dict[str, Any] | None = None,
+    assignee: str | None = None,
+    answer_within: int | None = None,
+    action_digest: str | None = None,
+) -> Task:
+    """The holder asks a person: the lease ends without a strike and the task awaits input.
+
+    ``answer_within`` (seconds, default TASKBOARD_ANSWER_WITHIN) sets the deadline past
+    which the next claim on the task's queue escalates it.
+    """
+    return _holder_transition(
+        "ask",
+        task_id=task_id,
+        actor=actor,
+        lease_token=lease_token,
+        question=question,
+        options=_json(list(options) if options else None),
+        answer_schema=_json(answer_schema),
+        assignee=assignee,
+        answer_within=answer_within or conf.answer_within(),
+        action_digest=action_digest,
+    )
+
+
+ANSWER_FROM = (TaskStatus.AWAITING_INPUT,)
+
+
+def answer(*, task_id: int, actor: Actor, answer: Any, note: str | None = None) -> Task:
+    """Answer the task's open question: pending again, held for the agent that asked.
+
+    The answer is checked against the question it answers (board.questions.check_answer:
+    InvalidAnswer when it does not); the statement answers only that question, so a
+    second answer to it finds the task no longer awaiting input (InvalidTransition).
+    """
+    rows = _run("open_question", {"task_id": task_id})
+    if not rows:
+        raise TaskNotFound(task_id)
+    question = rows[0]["question"]
+    if isinstance(question, str):  # Django's connections hand jsonb over as text
+        question = json.loads(question)
+    if question is None:
+        raise InvalidTransition(task_id, str(rows[0]["status"]), "answer", ANSWER_FROM)
+    questions.check_answer(question, answer)
+    return _human_transition(
+        "answer",
+        task_id=task_id,
+        actor=actor,
+        allowed=ANSWER_FROM,
+        answer=Jsonb(answer),
+        note=note,
+        question_event=int(question["event_id"]),
+        hold_seconds=conf.answer_hold_seconds(),
+    )
 
 
 def fail(

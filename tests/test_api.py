@@ -51,6 +51,11 @@ TASK_FIELDS = {
     "max_attempt_seconds",
     "attempt_started_at",
     "idempotency_key",
+    # Second round: humans in the loop.
+    "assignee",
+    "requires",
+    "question",
+    "answers",
 }
 EVENT_FIELDS = {"id", "task_id", "type", "status", "actor", "payload", "created_at"}
 
@@ -233,6 +238,10 @@ def test_it_creates_a_task_with_the_contract_defaults(agent_api: APIClient) -> N
         "max_attempt_seconds": None,
         "attempt_started_at": None,
         "idempotency_key": None,
+        "assignee": None,
+        "requires": [],
+        "question": None,
+        "answers": [],
     }
     assert abs(parse_time(task["created_at"]) - timezone.now()) < timedelta(minutes=5)
     parse_time(task["updated_at"])

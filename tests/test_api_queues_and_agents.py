@@ -47,6 +47,7 @@ def test_queues_lists_each_queue_with_its_counts(agent_api: APIClient, staff: An
         "escalated": 0,
         "done": 0,
         "cancelled": 0,
+        "awaiting_input": 0,
     }
     assert queues["build"]["paused"] is False
     assert queues["build"]["oldest_pending_at"] is not None

@@ -66,6 +66,9 @@ DEFAULTS_BEFORE: dict[str, Any] = {
     "TASKBOARD_ESCALATION_EMAILS": [],
     "DEFAULT_FROM_EMAIL": "taskboard@localhost",
     "EMAIL_TIMEOUT": 10,
+    # Added with humans in the loop (the contract names these defaults).
+    "TASKBOARD_ANSWER_WITHIN": 86400,
+    "TASKBOARD_ANSWER_HOLD_SECONDS": 300,
 }
 
 

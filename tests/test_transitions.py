@@ -103,6 +103,10 @@ def task_in(
             return lease.task
         if status == TaskStatus.DONE:
             return transitions.complete(task_id=task.pk, actor=agent, lease_token=lease.lease_token)
+        if status == TaskStatus.AWAITING_INPUT:
+            return transitions.ask(
+                task_id=task.pk, actor=agent, lease_token=lease.lease_token, question="Which?"
+            )
         assert status == TaskStatus.ESCALATED
         return transitions.escalate(
             task_id=task.pk, actor=agent, lease_token=lease.lease_token, reason="stuck"

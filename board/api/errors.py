@@ -15,6 +15,7 @@ from board.exceptions import (
     BoardError,
     ForbiddenQueue,
     IdempotencyConflict,
+    InvalidAnswer,
     InvalidTransition,
     LeaseLost,
     RateLimited,
@@ -92,6 +93,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         )
     if isinstance(exc, ForbiddenQueue):
         return Response({"error": exc.code, "detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)
+    if isinstance(exc, InvalidAnswer):
+        fields = {exc.field: [str(exc)]}
+        return Response(
+            {"error": exc.code, "detail": _summary(fields), "fields": fields},
+            status=status.HTTP_400_BAD_REQUEST,
+        )
     if isinstance(exc, BoardError):
         return Response({"error": exc.code, "detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, PermissionDenied):

@@ -6,14 +6,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.core.validators import RegexValidator
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 
 from board import conf
 from board.models import (
+    LABEL_PATTERN,
     MAX_ATTEMPT_SECONDS,
     MAX_DEPENDENCIES,
+    MAX_REQUIRES,
     QUEUE_PATTERN,
     Delivery,
     DeliveryStatus,
@@ -25,6 +29,7 @@ from board.models import (
     WebhookFormat,
 )
 from board.notifications import webhook_addresses
+from board.questions import MAX_OPTION, MAX_OPTIONS, MAX_QUESTION, schema_problem
 
 # The text rules, written once as JSON Schema patterns (ECMA-262 syntax, which Python's
 # ``re`` reads the same way) so that the OpenAPI document states exactly what is refused.
@@ -244,6 +249,21 @@ def task_id_field(**kwargs: Any) -> StrictIntegerField:
     return StrictIntegerField(min_value=1, max_value=2**63 - 1, **kwargs)
 
 
+def username_field(**kwargs: Any) -> StrictCharField:
+    return StrictCharField(min_length=1, max_length=150, **kwargs)
+
+
+def label_field() -> StrictRegexField:
+    return StrictRegexField(
+        LABEL_PATTERN,
+        max_length=64,
+        error_messages={
+            "invalid": "Use 1 to 64 characters of a-z, 0-9, ':', '.', '_' and '-', "
+            "starting with a-z or 0-9."
+        },
+    )
+
+
 def lease_token_field() -> StrictCharField:
     return StrictCharField(max_length=100, help_text="The lease_token from the claim response.")
 
@@ -253,6 +273,44 @@ def lease_seconds_field(**kwargs: Any) -> StrictIntegerField:
 
 
 # -- Output -----------------------------------------------------------------------------
+
+
+class StoredTimeField(serializers.DateTimeField):
+    """A time kept inside JSON (as PostgreSQL writes it), shown as every other time is."""
+
+    def to_representation(self, value: Any) -> Any:
+        if isinstance(value, str):
+            value = parse_datetime(value) or value
+        return super().to_representation(value)
+
+
+class QuestionSerializer(serializers.Serializer[Any]):
+    event_id = serializers.IntegerField(help_text="The id of the `asked` event.")
+    question = serializers.CharField()
+    options = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="The answer must be one of these, when given.",
+    )
+    answer_schema = serializers.DictField(
+        allow_null=True, help_text="A JSON Schema the answer must validate against, when given."
+    )
+    assignee = serializers.CharField(
+        allow_null=True, help_text="The user asked to answer (anyone allowed may)."
+    )
+    answer_by = StoredTimeField(help_text="When the task is escalated if nobody answered.")
+    action_digest = serializers.CharField(
+        allow_null=True, help_text="What exactly is to be approved (e.g. a SHA-256)."
+    )
+    asked_by = serializers.CharField()
+    asked_at = StoredTimeField()
+
+
+class AnsweredQuestionSerializer(QuestionSerializer):
+    answer = AnyJSONField()
+    note = serializers.CharField(allow_null=True)
+    answered_by = serializers.CharField()
+    answered_at = StoredTimeField()
 
 
 class TaskSerializer(serializers.ModelSerializer[Task]):
@@ -286,6 +344,23 @@ class TaskSerializer(serializers.ModelSerializer[Task]):
     idempotency_key = serializers.CharField(
         allow_null=True, read_only=True, help_text="The Idempotency-Key it was created with."
     )
+    assignee = serializers.CharField(
+        source="assignee_id",
+        allow_null=True,
+        read_only=True,
+        help_text="Only this user may claim the task; null: anyone.",
+    )
+    requires = serializers.ListField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="Labels the claimant's capabilities must include.",
+    )
+    question = QuestionSerializer(
+        allow_null=True, read_only=True, help_text="The open question, while awaiting input."
+    )
+    answers = AnsweredQuestionSerializer(
+        many=True, read_only=True, help_text="Every answered question, oldest first."
+    )
 
     class Meta:
         model = Task
@@ -315,6 +390,10 @@ class TaskSerializer(serializers.ModelSerializer[Task]):
             "max_attempt_seconds",
             "attempt_started_at",
             "idempotency_key",
+            "assignee",
+            "requires",
+            "question",
+            "answers",
         ]
         read_only_fields = fields
 
@@ -413,6 +492,101 @@ class TaskCreateSerializer(serializers.Serializer[Any]):
             "Left out: TASKBOARD_MAX_ATTEMPT_SECONDS (unset: no limit); null: no limit."
         ),
     )
+    assignee = username_field(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Only this user (a person or an agent) may claim the task.",
+    )
+    requires = UniqueListField(
+        child=label_field(),
+        required=False,
+        default=list,
+        max_length=MAX_REQUIRES,
+        help_text=(
+            f"At most {MAX_REQUIRES} labels, each among the claimant's capabilities for a "
+            "claim to take the task."
+        ),
+    )
+
+    def validate_assignee(self, value: str | None) -> str | None:
+        return existing_user(value)
+
+
+def existing_user(name: str | None) -> str | None:
+    """Refuse a username that names nobody (a task assigned to nobody could never be done)."""
+    if name is not None and not get_user_model().objects.filter(username=name).exists():
+        raise serializers.ValidationError(f"No user is named {name!r}.")
+    return name
+
+
+class AskSerializer(serializers.Serializer[Any]):
+    lease_token = lease_token_field()
+    question = StrictCharField(min_length=1, max_length=MAX_QUESTION, visible=True)
+    options = UniqueListField(
+        child=StrictCharField(min_length=1, max_length=MAX_OPTION, visible=True),
+        required=False,
+        allow_null=True,
+        default=None,
+        min_length=2,
+        max_length=MAX_OPTIONS,
+        help_text="2 to 10 distinct choices; the answer must be one of them.",
+    )
+    answer_schema = JSONObjectField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="A JSON Schema (at most 64 KiB) the answer must validate against.",
+    )
+    assignee = username_field(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The user asked to answer.",
+    )
+    answer_within = StrictIntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=60,
+        max_value=2592000,
+        help_text="Seconds until the task is escalated for want of an answer.",
+    )
+    action_digest = StrictCharField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_length=1,
+        max_length=128,
+        help_text="What is to be approved, e.g. the SHA-256 of the exact command.",
+    )
+
+    def validate_assignee(self, value: str | None) -> str | None:
+        return existing_user(value)
+
+    def validate_answer_schema(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (problem := schema_problem(value)):
+            raise serializers.ValidationError(f"The answer schema {problem}")
+        return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("options") is not None and attrs.get("answer_schema") is not None:
+            raise serializers.ValidationError(
+                {"answer_schema": ["Give options or an answer schema, not both."]}
+            )
+        return attrs
+
+
+class AnswerSerializer(serializers.Serializer[Any]):
+    answer = AnyJSONField(
+        help_text=(
+            "One of the options; or a value the answer schema accepts; or else a string of "
+            "1 to 10,000 characters."
+        )
+    )
+    note = StrictCharField(
+        required=False, allow_null=True, allow_blank=True, default=None, max_length=10000
+    )
 
 
 class CommentSerializer(serializers.Serializer[Any]):
@@ -426,6 +600,7 @@ class QueueCountsSerializer(serializers.Serializer[Any]):
     escalated = serializers.IntegerField()
     done = serializers.IntegerField()
     cancelled = serializers.IntegerField()
+    awaiting_input = serializers.IntegerField(help_text="Waiting for a person's answer.")
 
 
 class QueueSerializer(serializers.Serializer[Any]):
@@ -542,6 +717,17 @@ class TaskFilterSerializer(serializers.Serializer[Any]):
         min_value=1,
         max_value=2**63 - 1,
         help_text="Tasks that depend on this task.",
+    )
+    assignee = StrictCharField(
+        required=False,
+        max_length=150,
+        help_text=("Tasks assigned to this user, or whose open question is: a username, or `me`."),
+    )
+    requires = StrictRegexField(
+        LABEL_PATTERN,
+        required=False,
+        max_length=64,
+        help_text="Tasks that require this label.",
     )
 
 

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any, cast
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -24,8 +24,8 @@ from rest_framework.utils.encoders import JSONEncoder as DRFJSONEncoder
 from rest_framework.utils.urls import replace_query_param
 
 from access import rates
+from board import questions, transitions
 from board import queues as glance
-from board import transitions
 from board.access import QueueAccess, queue_access
 from board.api import serializers as s
 from board.api.permissions import IsStaff, MayTriage
@@ -295,6 +295,16 @@ class TaskViewSet(BoardViewSet):
             tasks = cast(TaskQuerySet, tasks).blocked(filters["blocked"] == "true")
         if "depends_on" in filters:
             tasks = tasks.filter(dependencies__depends_on_id=filters["depends_on"])
+        if "assignee" in filters:
+            name = filters["assignee"]
+            name = request.user.get_username() if name == "me" else name
+            tasks = tasks.filter(Q(assignee_id=name) | Q(question__assignee=name))
+        if "requires" in filters:
+            # Spelled as tasks_requires_idx's predicate, so that the index serves it.
+            tasks = tasks.extra(
+                where=["tasks.requires <> '{}' AND tasks.requires @> ARRAY[%s]::varchar[]"],
+                params=[filters["requires"]],
+            )
         results, next_url = keyset_page(
             request, tasks, limit=page["limit"], before=page.get("before"), render=render_task
         )
@@ -499,6 +509,70 @@ class TaskViewSet(BoardViewSet):
     @action(detail=True, methods=["post"])
     def escalate(self, request: Request, pk: str) -> Response:
         return self._transition(pk, transitions.escalate, s.EscalateSerializer)
+
+    @extend_schema(
+        summary="Ask a person (lease holder)",
+        description=(
+            "Instead of failing or escalating: the lease ends (no strike, the attempt clock "
+            "stops) and the task awaits input until `answer_by` (now + `answer_within`, "
+            "default TASKBOARD_ANSWER_WITHIN). Give `options` or an `answer_schema`, not "
+            "both; neither: the answer is free text. Nobody answering in time escalates "
+            "the task. After the answer, the task is held for you for "
+            "TASKBOARD_ANSWER_HOLD_SECONDS: your next claim on its queue takes it first, "
+            "with every answer in `answers`. Only the live lease holder may ask; otherwise "
+            "409 `lease_lost`."
+        ),
+        request=s.AskSerializer,
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            **ERRORS_403_QUEUE,
+            **ERRORS_404,
+            **ERRORS_409_LEASE,
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def ask(self, request: Request, pk: str) -> Response:
+        return self._transition(pk, transitions.ask, s.AskSerializer)
+
+    @extend_schema(
+        summary="Answer a task's question",
+        description=(
+            "The task's or the question's assignee, or a user with the `board.answer_task` "
+            "permission, answers the open question: with `options`, one of them; with an "
+            "`answer_schema`, a value it accepts; else a string. The task is pending again, "
+            "held for the agent that asked for TASKBOARD_ANSWER_HOLD_SECONDS (other claims "
+            "pass it by), then anyone's. A task that is not awaiting input: 409 "
+            "`invalid_transition` (a second answer, say)."
+        ),
+        request=s.AnswerSerializer,
+        responses={
+            200: s.TaskSerializer,
+            **ERRORS_400,
+            403: OpenApiResponse(
+                s.ErrorSerializer,
+                description=(
+                    "permission_denied: you may not answer it; forbidden_queue: a queue you "
+                    "are limited away from."
+                ),
+            ),
+            **ERRORS_404,
+            **ERRORS_409_TRANSITION,
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def answer(self, request: Request, pk: str) -> Response:
+        task = self.get_object()
+        if not questions.may_answer(request.user, task.question, task.assignee_id):
+            raise exceptions.PermissionDenied(
+                "Only the assignee or a user with the board.answer_task permission may "
+                "answer this question."
+            )
+        data = self.validated(s.AnswerSerializer)
+        task = transitions.answer(task_id=task.pk, actor=request.user, **data)
+        if task.answers:
+            metrics.observe_answer(task.answers[-1])
+        return Response(s.render(s.TaskSerializer, task))
 
     @extend_schema(
         summary="Requeue a task (staff)",

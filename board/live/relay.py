@@ -74,7 +74,15 @@ LEADER_LOCK = 0x7461736B626F6172  # "taskboar"
 ELIDE_BYTES = 8 * 1024
 # What no streamed event's data exceeds: values are elided, largest first, until it fits.
 MAX_EVENT_BYTES = 64 * 1024
-TASK_LARGE_FIELDS = ("description", "payload", "result", "progress", "last_error")
+TASK_LARGE_FIELDS = (
+    "description",
+    "payload",
+    "result",
+    "progress",
+    "last_error",
+    "question",
+    "answers",
+)
 # What the relay reads of a large value (stream_after): twice ELIDE_BYTES, since the text
 # PostgreSQL writes for jsonb (a space after each comma and colon, characters unescaped)
 # may be longer than the event's JSON of the same value, never twice as long.
@@ -147,6 +155,12 @@ class StreamEvent:
     # it, told when encoding changes that (see :attr:`sse`).
     size: int = field(default=0, repr=False)
     buffered_in: Relay | None = field(default=None, repr=False)
+    # The end of its question's time (awaiting input) and of its hold for the asker.
+    answer_by: datetime | None = None
+    held_until: datetime | None = None
+    # Whether only some claimants may take the task (an assignee, required labels, a
+    # hold): a waiting claim woken for it may not be one of them.
+    restricted: bool = False
 
     @property
     def sse(self) -> bytes:
@@ -191,6 +205,9 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         queue=row["queue"],
         run_after=row["run_after"],
         leased_until=row["leased_until"],
+        answer_by=row["answer_by"],
+        held_until=row["held_until"],
+        restricted=bool(row["assignee"] or row["requires"] or row["held_until"]),
         source=row,
         size=_row_bytes(row),
     )
@@ -227,7 +244,11 @@ def _encode(row: dict[str, Any]) -> bytes:
             _decoded(row[column]) if column in _JSONB_COLUMNS else row[column] for column in columns
         ]
         task = Task.from_db(None, attnames, values)
+        if task.answers is None:  # left in the database (task_elided): a list to render
+            task.answers = []
         data["task"] = render(TaskSerializer, task)
+        if "answers" in row["task_elided"]:
+            data["task"]["answers"] = None
         task_elided = _elide(data["task"], TASK_LARGE_FIELDS, list(row["task_elided"]))
     while True:
         if payload_elided:
@@ -255,7 +276,7 @@ def _encode(row: dict[str, Any]) -> bytes:
     return sse_encode_event(SSE_EVENT_TYPE, text, event_id=str(row["event_id"])).encode()
 
 
-_JSONB_COLUMNS = frozenset({"payload", "result", "progress"})
+_JSONB_COLUMNS = frozenset({"payload", "result", "progress", "question", "answers"})
 
 
 def _decoded(text: str | None) -> Any:

@@ -76,7 +76,15 @@ logger = logging.getLogger(__name__)
 CLAIM_PATH = "/api/v1/tasks/claim/"
 SCOPE_KEY = "taskboard.claim_report"
 # Events after which the task is pending (and so possibly claimable) again.
-RETURNS_TO_PENDING = {"created", "released", "failed", "requeued", "expired", "unblocked"}
+RETURNS_TO_PENDING = {
+    "created",
+    "released",
+    "failed",
+    "requeued",
+    "expired",
+    "unblocked",
+    "answered",
+}
 LEASE_EVENTS = {"claimed", "heartbeat"}
 
 _sequence = itertools.count()
@@ -183,14 +191,23 @@ class WaitingRoom:
         for event in events:
             if event.type in RETURNS_TO_PENDING and event.status == "pending":
                 due = event.run_after.timestamp() if event.run_after else now
-                self._at(due, event.task_id, event.queue)
+                # A task that only some may claim wakes every waiter of its queue: the
+                # longest-waiting one may not be among them.
+                self._at(due, event.task_id, event.queue, every=event.restricted)
+                if event.held_until is not None and event.held_until.timestamp() > due:
+                    # When the hold for the asker ends, anyone may claim it.
+                    self._at(event.held_until.timestamp(), event.task_id, event.queue, every=True)
             elif event.type in LEASE_EVENTS and event.leased_until is not None:
                 self._at(event.leased_until.timestamp(), event.task_id, event.queue)
+            elif event.type == "asked" and event.answer_by is not None:
+                # Unanswered by then, the question is escalated by the claim this wakes.
+                self._at(event.answer_by.timestamp(), event.task_id, event.queue)
 
-    def _at(self, when: float, task_id: int, queue: str) -> None:
+    def _at(self, when: float, task_id: int, queue: str, *, every: bool = False) -> None:
+        wake = self.wake_all if every else self.wake_one
         delay = when - time.time()
         if delay <= 0:
-            self.wake_one(queue)
+            wake(queue)
             return
         key = (task_id, when)
         if key in self._timers:
@@ -199,7 +216,7 @@ class WaitingRoom:
 
         def fire() -> None:
             self._timers.pop(key, None)
-            self.wake_one(queue)
+            wake(queue)
 
         # A lease timer may find the lease extended by then: the woken claim finds nothing
         # and waits again, at its place in line.

@@ -25,6 +25,7 @@ from typing import Any
 
 from django.db import connection
 from django.http import HttpResponse
+from django.utils.dateparse import parse_datetime
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -53,6 +54,28 @@ CLAIM_SECONDS = Histogram(
     "Time to make one claim (every round of its statement), in seconds.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+
+
+# Observed by the answer's view: from the question to its answer, in seconds. People answer
+# in minutes to days.
+ANSWER_SECONDS = Histogram(
+    "taskboard_question_answer_seconds",
+    "Time from an agent's question to a person's answer, in seconds.",
+    buckets=(10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 3 * 86400, 7 * 86400),
+)
+
+# The event counters' key for escalations of questions nobody answered in time
+# (board/sql/schema/counters.sql), reported apart from the event types.
+UNANSWERED = "unanswered"
+
+
+def observe_answer(answered: dict[str, Any]) -> None:
+    """Count one answer's time to answer (an entry of a task's ``answers``)."""
+    asked, answered_at = (
+        parse_datetime(str(answered.get(key) or "")) for key in ("asked_at", "answered_at")
+    )
+    if asked is not None and answered_at is not None:
+        ANSWER_SECONDS.observe(max((answered_at - asked).total_seconds(), 0.0))
 
 
 @dataclass
@@ -195,8 +218,24 @@ class BoardCollector(Collector):
             labels=["type"],
         )
         for type_, count in sorted(snap.event_counts.items()):
-            events.add_metric([type_], count)
+            if type_ != UNANSWERED:
+                events.add_metric([type_], count)
         yield events
+        yield CounterMetricFamily(
+            "taskboard_questions_unanswered",
+            "Questions escalated because nobody answered them by their deadline.",
+            value=snap.event_counts.get(UNANSWERED, 0),
+        )
+        questions = GaugeMetricFamily(
+            "taskboard_questions_open",
+            "Tasks awaiting a person's answer, by queue.",
+            labels=["queue"],
+        )
+        for queue in snap.queues:
+            counts = queue["counts"]
+            assert isinstance(counts, dict)
+            questions.add_metric([str(queue["name"])], counts.get("awaiting_input", 0))
+        yield questions
 
         yield GaugeMetricFamily(
             "taskboard_waiting_claims",

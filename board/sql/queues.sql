@@ -11,13 +11,14 @@ WITH counts AS (
     SELECT queue,
            sum(pending) AS pending, sum(blocked) AS blocked,
            sum(in_progress) AS in_progress, sum(escalated) AS escalated,
-           sum(done) AS done, sum(cancelled) AS cancelled
+           sum(done) AS done, sum(cancelled) AS cancelled,
+           sum(awaiting_input) AS awaiting_input
     FROM queue_counters
     WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
     GROUP BY queue
 ), names AS (
     SELECT queue AS name FROM counts
-    WHERE pending + blocked + in_progress + escalated + done + cancelled > 0
+    WHERE pending + blocked + in_progress + escalated + done + cancelled + awaiting_input > 0
     UNION
     SELECT name FROM queue_states WHERE (%(all_queues)s OR name = ANY(%(queues)s))
 )
@@ -26,6 +27,7 @@ SELECT n.name,
        COALESCE(c.pending, 0) AS pending, COALESCE(c.blocked, 0) AS blocked,
        COALESCE(c.in_progress, 0) AS in_progress, COALESCE(c.escalated, 0) AS escalated,
        COALESCE(c.done, 0) AS done, COALESCE(c.cancelled, 0) AS cancelled,
+       COALESCE(c.awaiting_input, 0) AS awaiting_input,
        -- Since when its longest-waiting claimable task has been claimable (created, or
        -- due when later): one step down tasks_pending_queue_due_idx (its predicate and
        -- expression, word for word), whose first entry is claimable if its time has come.
@@ -90,13 +92,14 @@ WITH counts AS (
     SELECT queue,
            sum(pending) AS pending, sum(blocked) AS blocked,
            sum(in_progress) AS in_progress, sum(escalated) AS escalated,
-           sum(done) AS done, sum(cancelled) AS cancelled
+           sum(done) AS done, sum(cancelled) AS cancelled,
+           sum(awaiting_input) AS awaiting_input
     FROM queue_counters
     WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
     GROUP BY queue
 ), names AS (
     SELECT queue AS name FROM counts
-    WHERE pending + blocked + in_progress + escalated + done + cancelled > 0
+    WHERE pending + blocked + in_progress + escalated + done + cancelled + awaiting_input > 0
     UNION
     SELECT name FROM queue_states WHERE (%(all_queues)s OR name = ANY(%(queues)s))
 ), shown AS (
@@ -105,6 +108,7 @@ WITH counts AS (
            COALESCE(c.pending, 0) AS pending, COALESCE(c.blocked, 0) AS blocked,
            COALESCE(c.in_progress, 0) AS in_progress, COALESCE(c.escalated, 0) AS escalated,
            COALESCE(c.done, 0) AS done, COALESCE(c.cancelled, 0) AS cancelled,
+       COALESCE(c.awaiting_input, 0) AS awaiting_input,
            COALESCE(c.pending + c.blocked + c.in_progress + c.escalated, 0) AS open,
            s.changed_at, s.changed_by, s.note,
            count(*) OVER () AS queues_in_all
@@ -131,7 +135,8 @@ ORDER BY paused DESC, open DESC, name;
 -- board's counts, from the counters.
 SELECT COALESCE(sum(pending), 0) AS pending, COALESCE(sum(blocked), 0) AS blocked,
        COALESCE(sum(in_progress), 0) AS in_progress, COALESCE(sum(escalated), 0) AS escalated,
-       COALESCE(sum(done), 0) AS done, COALESCE(sum(cancelled), 0) AS cancelled
+       COALESCE(sum(done), 0) AS done, COALESCE(sum(cancelled), 0) AS cancelled,
+       COALESCE(sum(awaiting_input), 0) AS awaiting_input
 FROM queue_counters
 WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
   AND (%(queue)s::text IS NULL OR queue = %(queue)s::text);

@@ -90,13 +90,19 @@ SELECT e.id AS event_id, e.type AS event_type, e.status AS event_status, e.actor
        t.has_dependents, t.parent_id,
        CASE WHEN NOT large.progress THEN t.progress::text END AS progress,
        t.max_attempt_seconds, t.attempt_started_at, t.idempotency_key,
-       t.idempotency_fingerprint,
+       t.idempotency_fingerprint, t.assignee, t.requires,
+       CASE WHEN NOT large.question THEN t.question::text END AS question,
+       t.answer_by,
+       CASE WHEN NOT large.answers THEN t.answers::text END AS answers,
+       t.held_for, t.held_until,
        array_remove(ARRAY[
            CASE WHEN large.description THEN 'description' END,
            CASE WHEN large.payload THEN 'payload' END,
            CASE WHEN large.result THEN 'result' END,
            CASE WHEN large.progress THEN 'progress' END,
-           CASE WHEN large.last_error THEN 'last_error' END
+           CASE WHEN large.last_error THEN 'last_error' END,
+           CASE WHEN large.question THEN 'question' END,
+           CASE WHEN large.answers THEN 'answers' END
        ], NULL) AS task_elided
 FROM task_events e
 JOIN tasks t ON t.id = e.task_id
@@ -105,7 +111,9 @@ CROSS JOIN LATERAL (
            COALESCE(octet_length(t.payload::text) > %(read_bytes)s, false) AS payload,
            COALESCE(octet_length(t.result::text) > %(read_bytes)s, false) AS result,
            COALESCE(octet_length(t.progress::text) > %(read_bytes)s, false) AS progress,
-           COALESCE(octet_length(t.last_error) > %(read_bytes)s, false) AS last_error
+           COALESCE(octet_length(t.last_error) > %(read_bytes)s, false) AS last_error,
+           COALESCE(octet_length(t.question::text) > %(read_bytes)s, false) AS question,
+           octet_length(t.answers::text) > %(read_bytes)s AS answers
 ) large
 CROSS JOIN LATERAL (
     SELECT COALESCE(jsonb_object_agg(p.key, CASE WHEN NOT p.large THEN p.value END),

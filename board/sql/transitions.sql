@@ -34,14 +34,14 @@ WITH deps AS (
         title, description, payload, queue, priority, max_failures, run_after,
         status, failure_count, created_by, created_at, updated_at,
         depends_on, open_dependencies, parent_id, max_attempt_seconds,
-        idempotency_key, idempotency_fingerprint
+        idempotency_key, idempotency_fingerprint, assignee, requires
     )
     VALUES (
         %(title)s, %(description)s, %(payload)s, %(queue)s, %(priority)s, %(max_failures)s,
         %(run_after)s, 'pending', 0, %(actor)s, now(), now(),
         %(depends_on)s::bigint[], (SELECT count(*) FROM deps WHERE status <> 'done'),
         %(parent_id)s, %(max_attempt_seconds)s, %(idempotency_key)s,
-        %(idempotency_fingerprint)s
+        %(idempotency_fingerprint)s, %(assignee)s, %(requires)s::text[]
     )
     ON CONFLICT (created_by, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING *
@@ -58,6 +58,12 @@ WITH deps AS (
                        ELSE '{}'::jsonb END
                || CASE WHEN parent_id IS NOT NULL
                        THEN jsonb_build_object('parent_id', parent_id)
+                       ELSE '{}'::jsonb END
+               || CASE WHEN assignee IS NOT NULL
+                       THEN jsonb_build_object('assignee', assignee)
+                       ELSE '{}'::jsonb END
+               || CASE WHEN requires <> '{}'
+                       THEN jsonb_build_object('requires', to_jsonb(requires))
                        ELSE '{}'::jsonb END,
            now()
     FROM task
@@ -73,12 +79,17 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- Hand out up to :limit claimable tasks of :queues to %(actor)s, recording expired leases
 -- on the way.
 --
--- Two locking scans, each on its own partial index, each FOR UPDATE SKIP LOCKED so that
+-- Locking scans, each on its own partial index, each FOR UPDATE SKIP LOCKED so that
 -- concurrent claims pass over each other's rows instead of waiting for them:
 --   * expired: in-progress tasks whose lease ran out (tasks_in_progress_lease_idx),
 --     in claim order;
---   * pending: pending tasks that are due, in claim order (tasks_pending_claim_idx or,
---     for a queue filter, tasks_pending_queue_claim_idx).
+--   * overdue: questions unanswered past their deadline, escalated and never handed out;
+--   * held: tasks held for this claimant after the answer to its question, first of all;
+--   * pending: pending tasks that are due and that anyone may claim, in claim order
+--     (tasks_pending_claim_idx or, for a queue filter, tasks_pending_queue_claim_idx);
+--   * assigned and required: tasks assigned to this claimant, and tasks whose required
+--     labels are among its capabilities, each in an index of their own, so that work
+--     for others never stands in a claim's way.
 -- The locking scans return the columns the rest of the statement needs: they see the row
 -- as it is now, while a plain read of tasks here would see the statement's snapshot.
 -- Each expired lease counts a strike: a task at max_failures is escalated and not handed
@@ -92,7 +103,12 @@ WHERE created_by = %(actor)s AND idempotency_key = %(idempotency_key)s;
 -- row and read and sorted every pending task instead of taking the first in the index).
 -- An expired lease whose attempt deadline had passed (a heartbeat never extends a lease
 -- beyond it) is recorded with reason "attempt_deadline", any other with "lease_expired".
-WITH expired AS (
+WITH capabilities AS (
+    -- The claimant's labels (none without a row): a task's requires must be among them.
+    SELECT COALESCE((SELECT c.labels FROM user_capabilities c
+                     JOIN auth_user u ON u.id = c.user_id
+                     WHERE u.username = %(actor)s), '{}') AS labels
+), expired AS (
     SELECT id, priority, created_at, failure_count, max_failures, leased_by, leased_until,
            open_dependencies,
            -- The holder's last claim or heartbeat of it: what GET agents/ shows as its
@@ -101,7 +117,10 @@ WITH expired AS (
            CASE WHEN max_attempt_seconds IS NOT NULL
                      AND leased_until >= attempt_started_at
                                          + make_interval(secs => max_attempt_seconds)
-                THEN 'attempt_deadline' ELSE 'lease_expired' END AS reason
+                THEN 'attempt_deadline' ELSE 'lease_expired' END AS reason,
+           -- Whether this claimant may take it; if not, its expiry is recorded all the same.
+           (assignee IS NULL OR assignee = %(actor)s)
+               AND requires <@ (SELECT labels FROM capabilities) AS eligible
     FROM tasks
     WHERE status = 'in_progress'
       AND leased_until <= now()
@@ -112,44 +131,131 @@ WITH expired AS (
     ORDER BY priority DESC, created_at, id
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
+), overdue AS (
+    -- Questions that nobody answered by their deadline (tasks_awaiting_input_idx): they
+    -- are escalated here, as an expired lease is recorded, and never handed out.
+    SELECT id, answer_by
+    FROM tasks
+    WHERE status = 'awaiting_input'
+      AND answer_by <= now()
+      AND :queues
+    ORDER BY answer_by
+    LIMIT 100
+    FOR UPDATE SKIP LOCKED
+), held AS (
+    -- Tasks held for this claimant, the agent that asked, after the answer came
+    -- (tasks_held_for_idx): they come first in its claim.
+    SELECT id, priority, created_at
+    FROM tasks
+    WHERE held_for = %(actor)s
+      AND held_until > now()
+      AND status = 'pending'
+      AND open_dependencies = 0
+      AND (run_after IS NULL OR run_after <= now())
+      AND :queues
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
+    ORDER BY held_until
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
 ), pending AS (
+    -- Tasks anyone may claim: unassigned, requiring nothing (the open claim indexes hold
+    -- only those), and not held for another asker (a held task is passed over row by
+    -- row: only the answers of the last TASKBOARD_ANSWER_HOLD_SECONDS are held).
     SELECT id, priority, created_at
     FROM tasks
     WHERE status = 'pending'
       AND open_dependencies = 0
+      AND assignee IS NULL
+      AND requires = '{}'
       AND (run_after IS NULL OR run_after <= now())
+      AND (held_until IS NULL OR held_until <= now())
+      AND :queues
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
+    ORDER BY priority DESC, created_at, id
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), assigned AS (
+    -- Tasks assigned to this claimant (tasks_pending_assigned_claim_idx), in claim order.
+    SELECT id, priority, created_at
+    FROM tasks
+    WHERE status = 'pending'
+      AND open_dependencies = 0
+      AND assignee = %(actor)s
+      AND requires <@ (SELECT labels FROM capabilities)
+      AND (run_after IS NULL OR run_after <= now())
+      AND (held_until IS NULL OR held_until <= now())
+      AND :queues
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
+    ORDER BY priority DESC, created_at, id
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), required AS (
+    -- Unassigned tasks that require labels, all of them among the claimant's: found in
+    -- tasks_pending_requires_idx (GIN) by a label they share with it, so tasks that need a
+    -- label it lacks are never read; a claimant without labels reads nothing here.
+    SELECT id, priority, created_at
+    FROM tasks
+    WHERE status = 'pending'
+      AND open_dependencies = 0
+      AND assignee IS NULL
+      AND requires <> '{}'
+      AND requires && (SELECT labels FROM capabilities)
+      AND requires <@ (SELECT labels FROM capabilities)
+      AND (run_after IS NULL OR run_after <= now())
+      AND (held_until IS NULL OR held_until <= now())
       AND :queues
       AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
     ORDER BY priority DESC, created_at, id
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 ), candidates AS (
+    -- The scans above find disjoint sets of tasks.
     SELECT id, priority, created_at, true AS was_expired,
-           failure_count + 1 >= max_failures AS escalates,
+           failure_count + 1 >= max_failures AS escalates, false AS overdue,
            leased_by AS previous_holder, leased_until AS previous_until, previous_seen, reason,
            -- A dependency was requeued since this task was claimed: its expiry sends it
            -- back to pending, blocked, not to another holder.
-           open_dependencies > 0 AS blocked
+           open_dependencies > 0 AS blocked, eligible, false AS held
     FROM expired
     UNION ALL
-    SELECT id, priority, created_at, false, false, NULL, NULL, NULL, NULL, false
+    SELECT id, NULL, NULL, false, false, true, NULL, answer_by, NULL, NULL, false, false, false
+    FROM overdue
+    UNION ALL
+    SELECT id, priority, created_at, false, false, false, NULL, NULL, NULL, NULL, false, true,
+           true
+    FROM held
+    UNION ALL
+    SELECT id, priority, created_at, false, false, false, NULL, NULL, NULL, NULL, false, true,
+           false
     FROM pending
+    UNION ALL
+    SELECT id, priority, created_at, false, false, false, NULL, NULL, NULL, NULL, false, true,
+           false
+    FROM assigned
+    UNION ALL
+    SELECT id, priority, created_at, false, false, false, NULL, NULL, NULL, NULL, false, true,
+           false
+    FROM required
 ), chosen AS (
     SELECT id FROM candidates
-    WHERE NOT escalates AND NOT blocked
-    ORDER BY priority DESC, created_at, id
+    WHERE eligible AND NOT escalates AND NOT blocked
+    ORDER BY held DESC, priority DESC, created_at, id
     LIMIT :limit
 ), updated AS (
     UPDATE tasks t SET
         status = CASE
             WHEN t.id IN (SELECT id FROM chosen) THEN 'in_progress'
-            WHEN c.escalates THEN 'escalated'
+            WHEN c.escalates OR c.overdue THEN 'escalated'
             ELSE 'pending' END,
         failure_count = t.failure_count + CASE WHEN c.was_expired THEN 1 ELSE 0 END,
         last_error = CASE
             WHEN c.reason = 'attempt_deadline'
                 THEN 'attempt deadline passed (held by ' || c.previous_holder || ')'
             WHEN c.was_expired THEN 'lease expired (held by ' || c.previous_holder || ')'
+            WHEN c.overdue
+                THEN 'no answer by '
+                     || to_char(c.previous_until AT TIME ZONE 'UTC',
+                                'YYYY-MM-DD"T"HH24:MI:SS"Z"')
             ELSE t.last_error END,
         leased_by = CASE WHEN t.id IN (SELECT id FROM chosen) THEN %(actor)s END,
         lease_token = CASE WHEN t.id IN (SELECT id FROM chosen) THEN gen_random_uuid() END,
@@ -160,10 +266,15 @@ WITH expired AS (
                                                           %(lease_seconds)s))) END,
         lease_seconds = CASE WHEN t.id IN (SELECT id FROM chosen) THEN %(lease_seconds)s END,
         attempt_started_at = CASE WHEN t.id IN (SELECT id FROM chosen) THEN now() END,
+        -- A claimed task is held for nobody any more; an escalated question is closed.
+        held_for = CASE WHEN t.id IN (SELECT id FROM chosen) THEN NULL ELSE t.held_for END,
+        held_until = CASE WHEN t.id IN (SELECT id FROM chosen) THEN NULL ELSE t.held_until END,
+        question = CASE WHEN c.overdue THEN NULL ELSE t.question END,
+        answer_by = CASE WHEN c.overdue THEN NULL ELSE t.answer_by END,
         updated_at = now()
     FROM candidates c
-    WHERE t.id = c.id AND (c.was_expired OR t.id IN (SELECT id FROM chosen))
-    RETURNING t.*, c.was_expired, c.escalates, c.previous_holder, c.previous_until,
+    WHERE t.id = c.id AND (c.was_expired OR c.overdue OR t.id IN (SELECT id FROM chosen))
+    RETURNING t.*, c.was_expired, c.escalates, c.overdue, c.previous_holder, c.previous_until,
               c.previous_seen, c.reason,
               t.status = 'in_progress' AS claimed
 ), event AS (
@@ -185,14 +296,17 @@ WITH expired AS (
         UNION ALL
         SELECT id, priority, created_at, 2, 'escalated', 'escalated', 'system',
                jsonb_build_object(
-                   'reason', CASE WHEN reason = 'attempt_deadline'
+                   'reason', CASE WHEN overdue THEN last_error
+                                  WHEN reason = 'attempt_deadline'
                                   THEN 'attempt deadline passed'
-                                  ELSE 'lease expired' END
-                             || ' ' || failure_count || ' of ' || max_failures
-                             || ' times',
+                                       || ' ' || failure_count || ' of ' || max_failures
+                                       || ' times'
+                                  ELSE 'lease expired'
+                                       || ' ' || failure_count || ' of ' || max_failures
+                                       || ' times' END,
                    'failure_count', failure_count
                )
-        FROM updated WHERE escalates
+        FROM updated WHERE escalates OR overdue
         UNION ALL
         SELECT id, priority, created_at, 3, 'claimed', 'in_progress', %(actor)s,
                jsonb_build_object(
@@ -397,6 +511,84 @@ WITH task AS (
 )
 SELECT * FROM task;
 
+-- name: ask
+-- The holder asks a person: the lease ends (no strike, the attempt clock stops) and the
+-- task awaits input until answer_by, with the open question on the row. The "asked"
+-- event's id is drawn first, so that the question on the task names its event.
+WITH asked AS (
+    SELECT nextval(pg_get_serial_sequence('task_events', 'id')) AS event_id,
+           now() + make_interval(secs => %(answer_within)s) AS answer_by
+), task AS (
+    UPDATE tasks SET
+        status = 'awaiting_input',
+        question = jsonb_build_object(
+            'event_id', (SELECT event_id FROM asked),
+            'question', %(question)s::text,
+            'options', %(options)s::jsonb,
+            'answer_schema', %(answer_schema)s::jsonb,
+            'assignee', %(assignee)s::text,
+            'answer_by', (SELECT answer_by FROM asked),
+            'action_digest', %(action_digest)s::text,
+            'asked_by', %(actor)s::text,
+            'asked_at', now()
+        ),
+        answer_by = (SELECT answer_by FROM asked),
+        leased_by = NULL, lease_token = NULL, leased_until = NULL, lease_seconds = NULL,
+        attempt_started_at = NULL,
+        updated_at = now()
+    WHERE id = %(task_id)s
+      AND status = 'in_progress'
+      AND leased_by = %(actor)s
+      AND lease_token = %(lease_token)s
+      AND leased_until > now()
+    RETURNING *
+), event AS (
+    INSERT INTO task_events (id, task_id, type, status, actor, payload, created_at)
+    SELECT (SELECT event_id FROM asked), id, 'asked', status, %(actor)s,
+           question - 'event_id' - 'asked_by' - 'asked_at'
+               || jsonb_build_object('answer_within', %(answer_within)s::integer),
+           now()
+    FROM task
+)
+SELECT * FROM task;
+
+-- name: answer
+-- A person answers the open question %(question_event)s (the one the answer was checked
+-- against: a question asked again since is not answered by it). The task is pending
+-- again, held for the agent that asked for %(hold_seconds)s seconds, and the answer joins
+-- the task's answers.
+WITH task AS (
+    UPDATE tasks SET
+        status = 'pending',
+        answers = answers || jsonb_build_array(question || jsonb_build_object(
+            'answer', %(answer)s::jsonb,
+            'note', %(note)s::text,
+            'answered_by', %(actor)s::text,
+            'answered_at', now()
+        )),
+        held_for = question ->> 'asked_by',
+        held_until = now() + make_interval(secs => %(hold_seconds)s),
+        question = NULL,
+        answer_by = NULL,
+        updated_at = now()
+    WHERE id = %(task_id)s
+      AND status = 'awaiting_input'
+      AND (question ->> 'event_id')::bigint = %(question_event)s
+    RETURNING *
+), event AS (
+    INSERT INTO task_events (task_id, type, status, actor, payload, created_at)
+    SELECT id, 'answered', status, %(actor)s,
+           jsonb_build_object(
+               'answer', %(answer)s::jsonb,
+               'note', %(note)s::text,
+               'question_event', %(question_event)s::bigint,
+               'action_digest', answers -> -1 -> 'action_digest'
+           ),
+           now()
+    FROM task
+)
+SELECT * FROM task;
+
 -- name: requeue
 -- A human puts a finished, cancelled or escalated task back to pending with its strikes reset.
 -- %(from)s: the statuses it applies to (some of escalated, done and cancelled), checked
@@ -553,3 +745,8 @@ SELECT status,
            AND (status <> 'in_progress' OR leased_by <> %(actor)s))
            AS deadline_passed
 FROM tasks WHERE id = %(task_id)s;
+
+-- name: open_question
+-- A task's status and open question (null unless awaiting input), which an answer is
+-- checked against before the answer statement runs.
+SELECT status, question FROM tasks WHERE id = %(task_id)s;

@@ -15,7 +15,7 @@
 -- Add the given moves to one shard of p_queue's task counts (queue_counters).
 CREATE OR REPLACE FUNCTION queue_counters_add(
     p_queue text, p_pending bigint, p_blocked bigint, p_in_progress bigint,
-    p_escalated bigint, p_done bigint, p_cancelled bigint
+    p_escalated bigint, p_done bigint, p_cancelled bigint, p_awaiting_input bigint
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -24,7 +24,8 @@ BEGIN
         UPDATE queue_counters SET
             pending = pending + p_pending, blocked = blocked + p_blocked,
             in_progress = in_progress + p_in_progress, escalated = escalated + p_escalated,
-            done = done + p_done, cancelled = cancelled + p_cancelled
+            done = done + p_done, cancelled = cancelled + p_cancelled,
+            awaiting_input = awaiting_input + p_awaiting_input
         WHERE id = (SELECT id FROM queue_counters
                     WHERE queue = p_queue ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED);
         IF FOUND THEN
@@ -32,9 +33,10 @@ BEGIN
         END IF;
         -- Every shard is held by another transaction: add one, with a random number.
         INSERT INTO queue_counters
-            (queue, shard, pending, blocked, in_progress, escalated, done, cancelled)
+            (queue, shard, pending, blocked, in_progress, escalated, done, cancelled,
+             awaiting_input)
         VALUES (p_queue, (random() * 2147483646)::integer, p_pending, p_blocked,
-                p_in_progress, p_escalated, p_done, p_cancelled)
+                p_in_progress, p_escalated, p_done, p_cancelled, p_awaiting_input)
         ON CONFLICT (queue, shard) DO NOTHING;
         IF FOUND THEN
             RETURN;
@@ -62,7 +64,8 @@ BEGIN
         count(*) FILTER (WHERE bucket = 'in_progress'),
         count(*) FILTER (WHERE bucket = 'escalated'),
         count(*) FILTER (WHERE bucket = 'done'),
-        count(*) FILTER (WHERE bucket = 'cancelled'))
+        count(*) FILTER (WHERE bucket = 'cancelled'),
+        count(*) FILTER (WHERE bucket = 'awaiting_input'))
     FROM (SELECT queue, task_count_bucket(status, open_dependencies) AS bucket
           FROM inserted_tasks) t
     GROUP BY queue;
@@ -75,7 +78,8 @@ $$;
 CREATE OR REPLACE FUNCTION tasks_count_update() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM queue_counters_add(queue, pending, blocked, in_progress, escalated, done, cancelled)
+    PERFORM queue_counters_add(queue, pending, blocked, in_progress, escalated, done, cancelled,
+                               awaiting_input)
     FROM (
         SELECT queue,
                sum(CASE bucket WHEN 'pending' THEN n ELSE 0 END) AS pending,
@@ -83,7 +87,8 @@ BEGIN
                sum(CASE bucket WHEN 'in_progress' THEN n ELSE 0 END) AS in_progress,
                sum(CASE bucket WHEN 'escalated' THEN n ELSE 0 END) AS escalated,
                sum(CASE bucket WHEN 'done' THEN n ELSE 0 END) AS done,
-               sum(CASE bucket WHEN 'cancelled' THEN n ELSE 0 END) AS cancelled
+               sum(CASE bucket WHEN 'cancelled' THEN n ELSE 0 END) AS cancelled,
+               sum(CASE bucket WHEN 'awaiting_input' THEN n ELSE 0 END) AS awaiting_input
         FROM (
             SELECT o.queue, task_count_bucket(o.status, o.open_dependencies) AS bucket,
                    -1 AS n
@@ -94,8 +99,8 @@ BEGIN
         ) moves
         GROUP BY queue
     ) deltas
-    WHERE (pending, blocked, in_progress, escalated, done, cancelled)
-          IS DISTINCT FROM (0, 0, 0, 0, 0, 0);
+    WHERE (pending, blocked, in_progress, escalated, done, cancelled, awaiting_input)
+          IS DISTINCT FROM (0, 0, 0, 0, 0, 0, 0);
     RETURN NULL;
 END;
 $$;
@@ -219,8 +224,18 @@ LANGUAGE plpgsql AS $$
 BEGIN
     -- In type order, so that two statements of several types take their shards in the
     -- same order (SKIP LOCKED never waits, but the insert of a new shard may).
+    -- Besides the types, 'unanswered' counts the escalations of questions nobody answered
+    -- in time (the claim's, by system), which /metrics reports apart.
     PERFORM event_counters_add(type, n)
-    FROM (SELECT type, count(*) AS n FROM inserted_events GROUP BY type ORDER BY type) c;
+    FROM (
+        SELECT type, count(*) AS n FROM inserted_events GROUP BY type
+        UNION ALL
+        SELECT 'unanswered', count(*) FROM inserted_events
+        WHERE type = 'escalated' AND actor = 'system'
+          AND payload ->> 'reason' LIKE 'no answer by %'
+        HAVING count(*) > 0
+        ORDER BY type
+    ) c;
     RETURN NULL;
 END;
 $$;
