@@ -716,7 +716,7 @@ class Worker:
         if run.stopped_for == SHUTDOWN:
             return self._report(lease, "released")
         if returncode == ASK_EXIT_STATUS and progress.ask is not None:
-            return self._ask(lease, progress.ask, elapsed)
+            return self._report(lease, "asked", ask=progress.ask, elapsed=elapsed)
         if returncode != 0:
             error = failure_message(returncode, output.stderr_tail)
             return self._report(lease, "failed", error=error, elapsed=elapsed)
@@ -734,9 +734,11 @@ class Worker:
         *,
         result: Any = None,
         error: str = "",
+        ask: dict[str, Any] | None = None,
         elapsed: float | None = None,
     ) -> str:
-        """Complete, fail or release the task; return the outcome that took effect."""
+        """Complete, fail, release the task or ask about it; return the outcome that
+        took effect."""
         task_id = lease.task.id
         took = f" in {elapsed:.1f} s" if elapsed is not None else ""
         try:
@@ -750,6 +752,8 @@ class Worker:
                     self.display.log(f"task {task_id}: failed{took}: {error}; {after}")
                     return "failed"
                 self.display.log(f"task {task_id}: done{took}")
+            elif outcome == "asked":
+                return self._ask(lease, ask or {}, took)
             elif outcome == "failed":
                 after = self._fail(lease, error)
                 self.display.log(f"task {task_id}: failed{took}: {_gist(error)}; {after}")
@@ -764,36 +768,28 @@ class Worker:
             return "lost"
         return outcome
 
-    def _ask(self, lease: Lease, ask: dict[str, Any], elapsed: float) -> str:
-        """Send the command's ask instead of a fail; return the outcome that took effect
-        (a refused ask fails the task, saying why)."""
+    def _ask(self, lease: Lease, ask: dict[str, Any], took: str) -> str:
+        """Send the command's ask instead of a fail; return the outcome that took effect:
+        an ask the server refuses fails the task, saying why (the lease is still ours)."""
         task_id = lease.task.id
-        unknown = sorted(set(ask) - ASK_FIELDS)
-        if unknown:
-            error = f"exit status {ASK_EXIT_STATUS} to ask, but the ask has unknown fields: "
-            return self._report(lease, "failed", error=error + ", ".join(unknown), elapsed=elapsed)
-        fields = {key: value for key, value in ask.items() if key != "question"}
-        try:
-            lease.send_ask(ask.get("question"), **fields)  # type: ignore[arg-type]
-        except (ValidationError, PayloadTooLarge) as exc:
-            # The lease is still ours: an ask the server refuses is a failure.
-            why = "; ".join(f"{name}: {' '.join(text)}" for name, text in exc.fields.items())
-            error = f"exit status {ASK_EXIT_STATUS} to ask, but the ask was refused: {exc}"
-            return self._report(
-                lease, "failed", error=f"{error} ({why})" if why else error, elapsed=elapsed
-            )
-        except LeaseLost:
-            self.display.log(f"task {task_id}: lease lost before it could ask")
-            return "lost"
-        except TaskboardError as exc:
-            self.display.log(f"task {task_id}: could not ask: {exc}")
-            return "lost"
-        question = str(ask.get("question"))
-        gist = question if len(question) <= 120 else question[:119] + "…"
-        self.display.log(
-            f"task {task_id}: asked a person after {elapsed:.1f} s, awaiting the answer: {gist}"
-        )
-        return "asked"
+        status = f"exit status {ASK_EXIT_STATUS} to ask"
+        if unknown := sorted(set(ask) - ASK_FIELDS):
+            error = f"{status}, but the ask has unknown fields: {', '.join(unknown)}"
+        else:
+            fields = {key: value for key, value in ask.items() if key != "question"}
+            try:
+                lease.send_ask(ask.get("question"), **fields)  # type: ignore[arg-type]
+            except (ValidationError, PayloadTooLarge) as exc:
+                why = "; ".join(f"{name}: {' '.join(text)}" for name, text in exc.fields.items())
+                error = f"{status}, but the ask was refused: {exc}" + (f" ({why})" if why else "")
+            else:
+                question = str(ask.get("question"))
+                gist = question if len(question) <= 120 else question[:119] + "…"
+                self.display.log(f"task {task_id}: asked a person{took}, awaiting input: {gist}")
+                return "asked"
+        after = self._fail(lease, error)
+        self.display.log(f"task {task_id}: failed{took}: {error}; {after}")
+        return "failed"
 
     def _complete(self, lease: Lease, result: Any) -> None:
         """Complete the task, trying again while the board does not answer (a restart, a
