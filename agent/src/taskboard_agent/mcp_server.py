@@ -36,8 +36,9 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -560,6 +561,41 @@ async def _call(
 # four retries) are for agents that can wait minutes.
 TOOL_CALL_LIMITS: dict[str, Any] = {"timeout": 10.0, "retries": 1, "max_backoff": 5.0}
 
+# Seconds between two progress notifications while a tool call waits for a person, to a
+# client that asked for them: a host that times tool calls out, and counts from the last
+# progress, keeps waiting.
+PROGRESS_EVERY = 15.0
+
+
+async def _telling_progress(ctx: Context, call: Callable[[], Awaitable[T]], total: float) -> T:
+    """Await ``call()``, notifying the seconds waited so far every PROGRESS_EVERY."""
+    started = time.monotonic()
+
+    async def tell() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_EVERY)
+            try:
+                await ctx.report_progress(
+                    time.monotonic() - started, total, "waiting for a person's answer"
+                )
+            except Exception as exc:  # a client gone mid-wait: the wait goes on
+                logger.debug("mcp: progress not sent: %s", exc)
+
+    outcome: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(tell)
+        try:
+            outcome.append(await call())
+        except Exception as exc:  # raised below, not wrapped in the group's ExceptionGroup
+            failure.append(exc)
+        finally:
+            group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
 SessionOf = Callable[[Context], Session]
 
 # The arguments a tool call named as null, where null means something other than leaving
@@ -814,7 +850,9 @@ def build_server(session_of: SessionOf) -> MCPServer:
                     "answer": answer.answer if answer is not None else None,
                 }
 
-        return await _call(answered, limiter=_waiting_limiter())
+        return await _telling_progress(
+            ctx, lambda: _call(answered, limiter=_waiting_limiter()), wait
+        )
 
     @server.tool()
     async def comment_task(task_id: TaskId, body: Text, *, ctx: Context) -> dict[str, Any]:
