@@ -117,11 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
             "Lines that are not JSON are logged and ignored.\n"
             "\n"
             "Asking a person: a command that needs a decision writes one line\n"
-            '  {"ask": {"question": "Drop table t?", "options": ["approve", "deny"]}}\n'
-            "to that file descriptor (the fields of the API's ask: question, options,\n"
-            "answer_schema, assignee, answer_within, action_digest) and exits with status\n"
-            "75: the question is asked instead of a fail (no strike), and the task waits\n"
-            "for the answer. Once answered it is held for this agent for a while, so this\n"
+            '{"ask": {...}} to that file descriptor, with the fields of the API\'s ask\n'
+            "(question, options, answer_schema, assignee, answer_within, action_digest),\n"
+            "and exits with status 75:\n"
+            '  echo \'{"ask": {"question": "Drop t?", "options": ["yes", "no"]}}\' \\\n'
+            "    > /dev/fd/$TASKBOARD_PROGRESS_FD; exit 75\n"
+            "The question is asked instead of a fail (no strike), and the task waits for\n"
+            "the answer. Once answered it is held for this agent for a while, so this\n"
             "worker's next claim takes it. Every attempt gets TASKBOARD_ANSWERS: the JSON\n"
             "list of the task's answered questions, oldest first ([] when none), each with\n"
             "its answer, note, answered_by and the question's fields.\n"
