@@ -519,8 +519,8 @@ class Event:
 @dataclass(frozen=True, kw_only=True)
 class Queue:
     """A queue at a glance (``GET queues/``): whether it is paused, and its tasks counted
-    by status (``pending``, ``blocked``, ``in_progress``, ``escalated``, ``done``,
-    ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
+    by status (``pending``, ``blocked``, ``in_progress``, ``awaiting_input``, ``escalated``,
+    ``done``, ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
     pending, unblocked task was created."""
 
     name: str
