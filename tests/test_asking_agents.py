@@ -19,7 +19,15 @@ import anyio
 import pytest
 
 from board.models import Task as TaskRow
-from taskboard_agent.client import AwaitingInput, Client, Task
+from taskboard_agent.client import (
+    AwaitingInput,
+    Client,
+    InvalidTransition,
+    LeaseLost,
+    PermissionDenied,
+    Task,
+    ValidationError,
+)
 from tests.factories import TokenFactory, UserFactory, grant
 from tests.live import LiveServer, free_port, live_server
 from tests.processes import WorkerProcess, eventually
@@ -160,6 +168,36 @@ def test_an_answer_that_does_not_come_in_time_leaves_the_task_for_the_askers_nex
     ]
     assert again.question is None
     board.complete(again, result="v2")
+
+
+def test_refusals_of_an_ask_and_of_an_answer_raise_the_clients_errors(
+    board: Client, person: Client, other_board: Client
+) -> None:
+    created = board.create("refusals", queue="no")
+    [task] = board.claim(queues=["no"])
+    lease = board.lease(task)
+
+    with pytest.raises(ValidationError) as both:
+        lease.ask("Which?", options=["a", "b"], answer_schema={"type": "string"}, wait=5)
+    assert both.value.status == 400 and "answer_schema" in both.value.fields
+    assert not lease.finished  # refused: still held, still heartbeating
+    with pytest.raises(ValidationError) as nobody:
+        lease.send_ask("Whom?", assignee="no-such-user")
+    assert "assignee" in nobody.value.fields
+    with pytest.raises(LeaseLost):
+        other_board.ask(created.id, "Mine?", lease_token="not-the-token")
+
+    lease.send_ask("Which?", options=["a", "b"])
+    with pytest.raises(LeaseLost):
+        board.ask(task, "Again?")  # the ask ended the lease
+    with pytest.raises(PermissionDenied):
+        other_board.answer(created.id, "a")  # neither assignee nor allowed to answer
+    with pytest.raises(ValidationError) as outside:
+        person.answer(created.id, "c")
+    assert "answer" in outside.value.fields
+    person.answer(created.id, "a")
+    with pytest.raises(InvalidTransition):
+        person.answer(created.id, "b")
 
 
 def test_the_client_resumes_its_wait_for_the_answer_across_a_server_restart(
