@@ -36,6 +36,8 @@ from tests.test_mcp import call, mcp_session, run, text_of
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
 
 ASKER = "asking-agent"
+# A task's history when its agent asked once, had its answer, and completed it.
+ASKED_AND_DONE = ["created", "claimed", "asked", "answered", "claimed", "completed"]
 
 
 def token_of(user: Any) -> str:
@@ -135,14 +137,7 @@ def test_the_client_asks_waits_and_gets_the_answer_with_the_task_held_again(
         done = lease.complete({"dropped": "t"})
 
     assert (done.status, done.failure_count) == ("done", 0)
-    assert types_of(board, created.id) == [
-        "created",
-        "claimed",
-        "asked",
-        "answered",
-        "claimed",
-        "completed",
-    ]
+    assert types_of(board, created.id) == ASKED_AND_DONE
 
 
 def test_an_answer_that_does_not_come_in_time_leaves_the_task_for_the_askers_next_claim(
@@ -289,14 +284,7 @@ def test_a_command_asks_with_exit_status_75_and_its_next_attempt_gets_the_answer
     done = board.get(created.id)
     assert done.result == {"colour": "blue", "by": "ada", "asked": "Which colour?", "attempt": "1"}
     assert done.failure_count == 0
-    assert types_of(board, created.id) == [
-        "created",
-        "claimed",
-        "asked",
-        "answered",
-        "claimed",
-        "completed",
-    ]
+    assert types_of(board, created.id) == ASKED_AND_DONE
     assert "stopped: 1 done, 0 failed, 0 released, 0 lost, 1 asked" in worker.output
 
 
