@@ -53,6 +53,7 @@ TOOLS = {
     "comment_task",
     "get_task",
     "list_tasks",
+    "ask_human",
 }
 
 

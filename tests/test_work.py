@@ -152,6 +152,7 @@ else:
         "TASKBOARD_URL": server.url,
         "TASKBOARD_ATTEMPT": "1",
         "TASKBOARD_PROGRESS": "null",
+        "TASKBOARD_ANSWERS": "[]",
     }
     assert result["stdin"]["id"] == as_json.id
     assert result["stdin"]["payload"] == {"n": 21}

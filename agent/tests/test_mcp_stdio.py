@@ -11,8 +11,12 @@ import sys
 from typing import Any
 
 import anyio
+import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.server.mcpserver.exceptions import ToolError
+
+from taskboard_agent import mcp_server
 
 
 def nowhere() -> str:
@@ -47,3 +51,34 @@ def test_the_stdio_session_lists_the_tools_and_an_unreachable_board_is_a_tool_er
     assert answer.is_error
     text = "".join(getattr(part, "text", "") for part in answer.content)
     assert "unreachable" in text or "reach" in text, text
+
+
+def test_a_tool_call_that_waits_for_a_person_tells_its_progress_and_raises_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host that times tool calls out, counting from the last progress, keeps waiting.
+    monkeypatch.setattr(mcp_server, "PROGRESS_EVERY", 0.05)
+    told: list[tuple[float, float | None, str | None]] = []
+
+    class Context:
+        async def report_progress(
+            self, progress: float, total: float | None = None, message: str | None = None
+        ) -> None:
+            told.append((progress, total, message))
+
+    async def answered() -> str:
+        await anyio.sleep(0.4)
+        return "yes"
+
+    async def lost() -> str:
+        await anyio.sleep(0.1)
+        raise ToolError("lease_lost: gone")
+
+    ctx: Any = Context()
+    assert anyio.run(mcp_server._telling_progress, ctx, answered, 60.0) == "yes"
+    assert len(told) >= 3
+    assert [total for _, total, _ in told] == [60.0] * len(told)
+    assert [progress for progress, _, _ in told] == sorted(p for p, _, _ in told)
+    assert told[0][2] == "waiting for a person's answer"
+    with pytest.raises(ToolError, match="lease_lost"):  # not an ExceptionGroup
+        anyio.run(mcp_server._telling_progress, ctx, lost, 60.0)

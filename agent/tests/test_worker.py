@@ -5,6 +5,7 @@ the repository's tests/test_work.py."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 from typing import Any
@@ -12,11 +13,15 @@ from typing import Any
 import pytest
 
 from taskboard_agent.worker import (
+    MAX_ANSWERS_BYTES,
+    MAX_ASK_BYTES,
     MAX_PROGRESS_BYTES,
     Display,
     ProgressPipe,
     WorkerOptions,
+    answers_variable,
     failure_message,
+    parse_ask,
     parse_progress,
     parse_result,
     retry_delay,
@@ -56,6 +61,49 @@ def test_the_progress_pipe_reports_each_value_and_skips_what_is_not_one() -> Non
     assert complaints[0].startswith(f"progress line ignored, over {MAX_PROGRESS_BYTES} bytes")
     assert complaints[1].startswith("progress line ignored, not JSON") and "'oops'" in complaints[1]
     assert complaints[-1].endswith("(later ones are not logged)")
+
+
+def test_an_ask_line_is_kept_apart_from_progress_and_may_be_longer() -> None:
+    reported: list[Any] = []
+    complaints: list[str] = []
+    pipe = ProgressPipe(reported.append, complaints.append)
+    writer = os.fdopen(os.dup(pipe.write_fd), "wb")
+    pipe.start()
+    schema = {"type": "object", "description": "x" * (2 * MAX_PROGRESS_BYTES)}
+
+    writer.write(b'{"n": 1}\n{"ask": {"question": "First?"}}\n')
+    writer.write(json.dumps({"ask": {"question": "Which?", "answer_schema": schema}}).encode())
+    writer.write(b'\n{"ask": "not an object"}\n')
+    writer.write(b'{"ask": {"question": "' + b"y" * MAX_ASK_BYTES + b'"}}\n')
+    writer.write(b'{"ask": {}, "and": "more"}\n')  # an object with more keys is progress
+    writer.close()
+    pipe.wait(timeout=5)
+
+    assert reported == [{"n": 1}, {"ask": {}, "and": "more"}]
+    assert pipe.ask == {"question": "Which?", "answer_schema": schema}  # the latest that is one
+    assert len(complaints) == 2
+    assert "an ask must be a JSON object" in complaints[0]
+    assert f"over {MAX_ASK_BYTES} bytes" in complaints[1]
+    assert parse_ask([{"ask": {}}]) is None and parse_ask({"ask": {"a": 1}}) == {"a": 1}
+
+
+def test_the_answers_variable_fits_the_environment_newest_first() -> None:
+    answers = [
+        {"event_id": n, "question": "q" * 10_000, "answer": n, "answer_schema": {"n": n}}
+        for n in range(5)
+    ]
+    assert json.loads(answers_variable(answers)) == answers
+    assert answers_variable([]) == "[]"
+
+    big = [answer | {"answer_schema": {"x": "s" * 60_000}} for answer in answers]
+    lean = json.loads(answers_variable(big))
+    assert lean == [{k: v for k, v in a.items() if k != "answer_schema"} for a in answers]
+
+    many = [answer | {"answer": "a" * 9_000} for answer in answers * 4]
+    kept = json.loads(answers_variable(many))
+    assert 0 < len(kept) < len(many)
+    assert [a["event_id"] for a in kept] == [a["event_id"] for a in many[-len(kept) :]]
+    assert len(answers_variable(many).encode()) <= MAX_ANSWERS_BYTES
 
 
 def test_a_progress_line_is_any_json_value_but_null() -> None:

@@ -35,14 +35,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 import httpx
 
 __all__ = [
     "NO_LIMIT",
     "Agent",
+    "Answer",
     "AuthenticationError",
+    "AwaitingInput",
     "ClaimedTask",
     "Client",
     "Conflict",
@@ -57,6 +59,7 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "PermissionDenied",
+    "Question",
     "Queue",
     "RateLimited",
     "RequestTimeout",
@@ -76,6 +79,14 @@ USER_AGENT = "taskboard-client/0.1"
 QUEUE_PAGE = 1000
 # Seconds the server may hold a waiting claim (the contract's maximum ``wait``).
 MAX_WAIT = 60.0
+# Seconds between two looks at a task awaiting input, at first and at most: the pause
+# doubles from the first to the last, so that a quick answer is seen quickly and a long
+# wait for a person costs a request every few seconds.
+ANSWER_POLL_FIRST = 0.25
+ANSWER_POLL_MAX = 5.0
+# Claims a wait for an answer makes at most in a row when each hands out another task than
+# the one asked about (held for this agent too, say): each is handed on or released.
+CLAIM_BACK_TRIES = 3
 
 
 class NoLimit(enum.Enum):
@@ -201,6 +212,22 @@ class RateLimited(TaskboardError):
         self.retry_after = retry_after
 
 
+class AwaitingInput(TaskboardError):
+    """The question is asked, and its answer did not come within the wait (or was not
+    waited for): the task is ``awaiting_input``, and no lease is held on it.
+
+    ``task`` is the task as last seen (its ``question`` is the open one). Not a refusal:
+    the answer comes with the task to the next claim that takes it, this agent's first
+    (the task is held for the asker for a while after the answer).
+    """
+
+    def __init__(self, detail: str, *, task: Task | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("code", "awaiting_input")
+        kwargs.setdefault("task_status", task.status if task is not None else None)
+        super().__init__(detail, **kwargs)
+        self.task = task
+
+
 class Unavailable(TaskboardError):
     """503, or no answer at all (connection refused, timed out), after the retries;
     ``retry_after``: the 503's Retry-After, in seconds."""
@@ -276,6 +303,66 @@ def parse_time(value: str | None) -> datetime | None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Question:
+    """A question an agent asked a person about a task (``Task.question`` while it is
+    open). ``event_id`` is its ``asked`` event; ``options`` the answers to choose from, or
+    ``answer_schema`` the JSON Schema the answer must validate against (or neither: a
+    text); ``answer_by`` when it escalates unanswered; ``action_digest`` what the agent
+    said it will do once approved (the answer repeats it)."""
+
+    event_id: int
+    question: str
+    options: list[str] | None = None
+    answer_schema: dict[str, Any] | None = None
+    assignee: str | None = None
+    answer_by: datetime | None = None
+    action_digest: str | None = None
+    asked_by: str | None = None
+    asked_at: datetime | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Question:
+        return cls(**_question_fields(data))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer(Question):
+    """A question and the answer a person gave it (``Task.answers``, oldest first)."""
+
+    answer: Any = None
+    note: str | None = None
+    answered_by: str | None = None
+    answered_at: datetime | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Answer:
+        return cls(
+            **_question_fields(data),
+            answer=data.get("answer"),
+            note=data.get("note"),
+            answered_by=data.get("answered_by"),
+            answered_at=parse_time(data.get("answered_at")),
+        )
+
+
+def _question_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    options = data.get("options")
+    return {
+        "event_id": int(data["event_id"]),
+        "question": data.get("question", ""),
+        "options": list(options) if options is not None else None,
+        "answer_schema": data.get("answer_schema"),
+        "assignee": data.get("assignee"),
+        "answer_by": parse_time(data.get("answer_by")),
+        "action_digest": data.get("action_digest"),
+        "asked_by": data.get("asked_by"),
+        "asked_at": parse_time(data.get("asked_at")),
+        "raw": dict(data),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
 class Task:
     """A task as the API renders it. ``raw`` is the JSON object it was read from."""
 
@@ -306,11 +393,26 @@ class Task:
     max_attempt_seconds: int | None = None
     attempt_started_at: datetime | None = None
     idempotency_key: str | None = None
+    #: The only user who may claim the task, or None: anyone may.
+    assignee: str | None = None
+    #: The capabilities a claimant must have, every one, to take the task.
+    requires: list[str] = field(default_factory=list)
+    #: The question asked and not answered yet (the task is ``awaiting_input``), or None.
+    question: Question | None = None
+    #: Every question asked about the task and answered, oldest first: what people said,
+    #: for the attempt that holds the task now.
+    answers: list[Answer] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Task:
         return cls(**_task_fields(data))
+
+    def answer_to(self, question: Question | int) -> Answer | None:
+        """The answer to ``question`` (or to the question of that ``asked`` event id), or
+        None while it has none."""
+        event_id = question if isinstance(question, int) else question.event_id
+        return next((answer for answer in self.answers if answer.event_id == event_id), None)
 
     @property
     def attempt_deadline(self) -> datetime | None:
@@ -367,6 +469,10 @@ def _task_fields(data: Mapping[str, Any]) -> dict[str, Any]:
         "max_attempt_seconds": _optional_int(data.get("max_attempt_seconds")),
         "attempt_started_at": parse_time(data.get("attempt_started_at")),
         "idempotency_key": data.get("idempotency_key"),
+        "assignee": data.get("assignee"),
+        "requires": [str(label) for label in data.get("requires") or []],
+        "question": Question.from_json(data["question"]) if data.get("question") else None,
+        "answers": [Answer.from_json(answer) for answer in data.get("answers") or []],
         "raw": dict(data),
     }
 
@@ -413,8 +519,8 @@ class Event:
 @dataclass(frozen=True, kw_only=True)
 class Queue:
     """A queue at a glance (``GET queues/``): whether it is paused, and its tasks counted
-    by status (``pending``, ``blocked``, ``in_progress``, ``escalated``, ``done``,
-    ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
+    by status (``pending``, ``blocked``, ``in_progress``, ``awaiting_input``, ``escalated``,
+    ``done``, ``cancelled``; ``pending`` counts those not blocked, due or not), and when its oldest
     pending, unblocked task was created."""
 
     name: str
@@ -474,6 +580,16 @@ class Page(Generic[T]):
 # -- The client --------------------------------------------------------------------------
 
 
+class AskFields(TypedDict, total=False):
+    """The fields of a question besides its text (:meth:`Client.ask` says what each is)."""
+
+    options: Iterable[str] | None
+    answer_schema: Mapping[str, Any] | None
+    assignee: str | None
+    answer_within: int | None
+    action_digest: str | None
+
+
 TaskRef = Task | int
 
 
@@ -516,6 +632,18 @@ def _task_filters(
         depends_on=_task_id(depends_on) if depends_on is not None else None,
         **others,
     )
+
+
+def _gone(task: Task, question: Question) -> str:
+    """Why an agent waiting for the answer to ``question`` cannot take ``task`` back."""
+    if task.status == "in_progress":
+        return (
+            f"Task {task.id} was answered, and another claim took it (held by "
+            f"{task.leased_by}): it is no longer yours."
+        )
+    if task.answer_to(question) is None and task.status == "escalated":
+        return f"Task {task.id} is escalated: its question was not answered in time."
+    return f"Task {task.id} is {task.status.replace('_', ' ')} now: it is no longer yours."
 
 
 # Errors after which the request surely never reached the server: safe to send again.
@@ -564,6 +692,10 @@ class Client:
             # Enough for a claim, a stream and a heartbeat per task of a busy worker.
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=20),
         )
+        # The tasks this client's threads wait to take back after an answer (await_answer),
+        # each with the claim another waiter got for it, once one did.
+        self._awaiting: dict[int, ClaimedTask | None] = {}
+        self._handed = threading.Condition()
 
     def close(self) -> None:
         self._http.close()
@@ -590,13 +722,17 @@ class Client:
         parent_id: TaskRef | None = None,
         max_attempt_seconds: int | NoLimit | None = None,
         idempotency_key: str | None = None,
+        assignee: str | None = None,
+        requires: Iterable[str] | None = None,
     ) -> Task:
         """Create a pending task; what is not given gets the server's default.
 
         ``depends_on``: the (older) tasks that must be done before this one is claimable;
         ``parent_id``: the task this one is a subtask of; ``max_attempt_seconds``: how long
         one attempt may hold it, however often it heartbeats (:data:`NO_LIMIT`: no limit,
-        whatever the server's ``TASKBOARD_MAX_ATTEMPT_SECONDS``).
+        whatever the server's ``TASKBOARD_MAX_ATTEMPT_SECONDS``); ``assignee``: the one
+        user who may claim it (a person or an agent); ``requires``: the capabilities a
+        claimant must all have.
 
         Every create sends an ``Idempotency-Key``: ``idempotency_key``, or a fresh random
         one for this call. Its retries send the same key, so a create whose answer was
@@ -616,6 +752,8 @@ class Client:
             depends_on=[_task_id(task) for task in depends_on] if depends_on is not None else None,
             parent_id=_task_id(parent_id) if parent_id is not None else None,
             max_attempt_seconds=max_attempt_seconds,
+            assignee=assignee,
+            requires=list(requires) if requires is not None else None,
         )
         if max_attempt_seconds is NO_LIMIT:
             body["max_attempt_seconds"] = None
@@ -636,11 +774,15 @@ class Client:
         depends_on: TaskRef | None = None,
         limit: int | None = None,
         before: int | None = None,
+        assignee: str | None = None,
+        requires: str | None = None,
     ) -> Page[Task]:
         """Return one page of tasks, newest first (``before``: only smaller ids).
 
         ``parent``: the subtasks of that task; ``blocked``: only tasks that are (or are
-        not) waiting for a dependency; ``depends_on``: the tasks that wait for that one.
+        not) waiting for a dependency; ``depends_on``: the tasks that wait for that one;
+        ``assignee``: the tasks for that user (``"me"``: for this client's); ``requires``:
+        the tasks that require that capability.
         """
         params = _task_filters(
             status=status,
@@ -651,6 +793,8 @@ class Client:
             depends_on=depends_on,
             limit=limit,
             before=before,
+            assignee=assignee,
+            requires=requires,
         )
         data = self._request("GET", "/tasks/", params=params)
         return Page([Task.from_json(t) for t in data["results"]], data.get("next"))
@@ -665,6 +809,8 @@ class Client:
         blocked: bool | None = None,
         depends_on: TaskRef | None = None,
         page_size: int | None = None,
+        assignee: str | None = None,
+        requires: str | None = None,
     ) -> Iterator[Task]:
         """Yield every matching task (filters as in :meth:`list_tasks`), newest first,
         fetching page after page."""
@@ -676,6 +822,8 @@ class Client:
             blocked=blocked,
             depends_on=depends_on,
             limit=page_size,
+            assignee=assignee,
+            requires=requires,
         )
         for data in self._pages("/tasks/", params):
             yield Task.from_json(data)
@@ -818,6 +966,147 @@ class Client:
         body = {"lease_token": token, "reason": reason}
         data = self._request("POST", f"/tasks/{task_id}/escalate/", body=body, retries=retries)
         return Task.from_json(data)
+
+    def ask(
+        self,
+        task: ClaimedTask | int,
+        question: str,
+        *,
+        lease_token: str | None = None,
+        options: Iterable[str] | None = None,
+        answer_schema: Mapping[str, Any] | None = None,
+        assignee: str | None = None,
+        answer_within: int | None = None,
+        action_digest: str | None = None,
+        retries: int | None = None,
+    ) -> Task:
+        """Ask a person ``question`` about your task, instead of failing it: the lease ends
+        (no strike), and the task awaits input. Return the task, whose ``question`` is the
+        one asked.
+
+        ``options``: the answers to choose from (2 to 10); or ``answer_schema``: a JSON
+        Schema the answer must validate against; neither: the answer is a text.
+        ``assignee``: the user who should answer (others with the permission may too);
+        ``answer_within``: seconds before the unanswered task is escalated (the server's
+        default: a day); ``action_digest``: what you will do once approved (the SHA-256 of
+        the exact command, say), repeated in the answer. To wait for the answer and take
+        the task back, use :meth:`Lease.ask` (or :meth:`await_answer`).
+        """
+        task_id, token = _lease_of(task, lease_token)
+        body = _drop_none(
+            lease_token=token,
+            question=question,
+            options=list(options) if options is not None else None,
+            answer_schema=dict(answer_schema) if answer_schema is not None else None,
+            assignee=assignee,
+            answer_within=answer_within,
+            action_digest=action_digest,
+        )
+        data = self._request("POST", f"/tasks/{task_id}/ask/", body=body, retries=retries)
+        return Task.from_json(data)
+
+    def answer(self, task: TaskRef, answer: Any, *, note: str | None = None) -> Task:
+        """Answer the task's open question (as its assignee, or a user with the
+        ``board.answer_task`` permission): one of its options, a value its schema accepts,
+        or a text. The task is pending again, held for the agent that asked for a while."""
+        body = {"answer": answer, **_drop_none(note=note)}
+        path = f"/tasks/{_task_id(task)}/answer/"
+        return Task.from_json(self._request("POST", path, body=body))
+
+    def await_answer(
+        self,
+        task: Task,
+        *,
+        wait: float,
+        lease_seconds: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> ClaimedTask:
+        """Wait up to ``wait`` seconds for the answer to ``task``'s open question (the task
+        as :meth:`ask` returned it), then claim the task back (it is held for the asker)
+        and return it: its ``answers`` end with this one.
+
+        It looks at the task every few seconds (more often at first) and rides out a
+        server that does not answer meanwhile (a restart): it goes on looking until the
+        wait is over. Raises :class:`AwaitingInput` when the wait ends first (or ``stop``
+        is set), and :class:`LeaseLost` when the task went another way: answered and
+        claimed by another agent, escalated for want of an answer, cancelled.
+        """
+        question = task.question
+        if question is None:
+            raise ValueError(f"task {task.id} has no open question to wait for")
+        deadline = time.monotonic() + max(0.0, wait)
+        latest, pause = task, ANSWER_POLL_FIRST
+        with self._handed:
+            self._awaiting[task.id] = None
+        try:
+            while True:
+                handed = self._take_handed(task.id)
+                if handed is not None:
+                    return handed
+                try:
+                    latest = Task.from_json(self._request("GET", f"/tasks/{task.id}/", retries=0))
+                    claimed = self._claim_answered(latest, question, lease_seconds)
+                    if claimed is not None:
+                        return claimed
+                except Unavailable as exc:
+                    logger.info("task %s: waiting for its answer: %s", task.id, exc)
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    raise AwaitingInput(
+                        f"Task {task.id} is still awaiting the answer to its question "
+                        f"(event {question.event_id}); the next claim that takes it gets it.",
+                        task=latest,
+                    )
+                with self._handed:
+                    self._handed.wait_for(
+                        lambda: self._awaiting.get(task.id) is not None, min(pause, left)
+                    )
+                pause = min(pause * 2, ANSWER_POLL_MAX)
+        finally:
+            with self._handed:
+                unused = self._awaiting.pop(task.id, None)
+            if unused is not None:  # handed over as this wait ended some other way
+                self._hand_on(unused)
+
+    def _take_handed(self, task_id: int) -> ClaimedTask | None:
+        with self._handed:
+            handed = self._awaiting.get(task_id)
+            self._awaiting[task_id] = None
+        return handed
+
+    def _claim_answered(
+        self, latest: Task, question: Question, lease_seconds: int | None
+    ) -> ClaimedTask | None:
+        """Claim ``latest`` back once ``question`` has its answer; None while it has none,
+        or while it is not handed out."""
+        open_question = latest.question
+        if latest.status == "awaiting_input" and (
+            open_question is None or open_question.event_id == question.event_id
+        ):
+            return None
+        if latest.status != "pending" or latest.answer_to(question) is None:
+            raise LeaseLost(_gone(latest, question), code="lease_lost", task_status=latest.status)
+        for _ in range(CLAIM_BACK_TRIES):
+            claimed = self.claim(queues=[latest.queue], limit=1, lease_seconds=lease_seconds)
+            if not claimed:
+                return None
+            if claimed[0].id == latest.id:
+                return claimed[0]
+            # Another task came first (one held for this agent too): hand it to the thread
+            # of this client that waits for it, or give it back without a strike.
+            self._hand_on(claimed[0])
+        return None
+
+    def _hand_on(self, task: ClaimedTask) -> None:
+        with self._handed:
+            if task.id in self._awaiting and self._awaiting[task.id] is None:
+                self._awaiting[task.id] = task
+                self._handed.notify_all()
+                return
+        try:
+            self.release(task)
+        except TaskboardError as exc:
+            logger.warning("task %s: claimed by the way, could not release it: %s", task.id, exc)
 
     def requeue(self, task: TaskRef, *, note: str | None = None) -> Task:
         """Staff: put an escalated, done or cancelled task back to pending, strikes reset."""
@@ -1154,6 +1443,10 @@ class Lease:
     manager, a block that raises fails the task with the exception (a
     ``KeyboardInterrupt`` releases it), and a block that ends without finishing the task
     releases it.
+
+    :meth:`ask` puts a question to a person instead: the lease ends while the person
+    thinks, and when the answer comes within the wait, the task is claimed back and this
+    lease heartbeats the new claim (:attr:`task`).
     """
 
     def __init__(
@@ -1172,22 +1465,11 @@ class Lease:
         #: Why the lease was lost (a LeaseLost, or another refusal of a heartbeat).
         self.error: TaskboardError | None = None
         self.on_lost = on_lost
-        self.lease_seconds = max(task.lease_seconds, 0.001)
-        self.interval = interval if interval is not None else self.lease_seconds / 3
+        #: The answer that :meth:`ask` brought back last (None before one did).
+        self.answer: Answer | None = None
+        self._interval = interval
         self.progress_interval = progress_interval
-        started = task.claimed_at or time.monotonic()
-        # Local monotonic time by which the attempt ends (as the lease's deadline, counted
-        # from the claim as the client placed it).
-        self._attempt_ends = (
-            started + task.max_attempt_seconds
-            if task.max_attempt_seconds is not None
-            else float("inf")
-        )
-        # Local monotonic time by which the lease has surely run out, unless renewed.
-        self._deadline = min(started + self.lease_seconds, self._attempt_ends)
-        self._next_beat = started + self.interval
-        # No heartbeat for progress before this (one was sent less than a second ago).
-        self._not_before = started + progress_interval
+        self._clock(task)
         # The latest progress reported, its number, and the number of the last one sent.
         self._progress: Any = None
         self._reported = 0
@@ -1205,6 +1487,24 @@ class Lease:
             target=self._run, name=f"taskboard-lease-{task.id}", daemon=True
         )
 
+    def _clock(self, task: ClaimedTask) -> None:
+        """Count the lease and the attempt of ``task`` (just claimed) from its claim."""
+        self.lease_seconds = max(task.lease_seconds, 0.001)
+        self.interval = self._interval if self._interval is not None else self.lease_seconds / 3
+        started = task.claimed_at or time.monotonic()
+        # Local monotonic time by which the attempt ends (as the lease's deadline, counted
+        # from the claim as the client placed it).
+        self._attempt_ends = (
+            started + task.max_attempt_seconds
+            if task.max_attempt_seconds is not None
+            else float("inf")
+        )
+        # Local monotonic time by which the lease has surely run out, unless renewed.
+        self._deadline = min(started + self.lease_seconds, self._attempt_ends)
+        self._next_beat = started + self.interval
+        # No heartbeat for progress before this (one was sent less than a second ago).
+        self._not_before = started + self.progress_interval
+
     def start(self) -> Self:
         """Start the heartbeat thread (once; later calls do nothing)."""
         if not self._started:
@@ -1219,7 +1519,8 @@ class Lease:
 
     @property
     def finished(self) -> bool:
-        """True once complete, fail, release or escalate was called (or tried)."""
+        """True once complete, fail, release, escalate or ask was called (or tried); false
+        again once :meth:`ask` took the task back with its answer."""
         return self._finished
 
     def wait_lost(self, timeout: float | None = None) -> bool:
@@ -1301,6 +1602,52 @@ class Lease:
         return self._finish(
             lambda: self.client.escalate(self.task, reason, retries=0), progress=True
         )
+
+    def send_ask(self, question: str, **fields: Unpack[AskFields]) -> Task:
+        """Stop heartbeating and ask a person ``question`` (arguments as in
+        :meth:`Client.ask`), without waiting for the answer: the lease ends, without a
+        strike. Return the task, ``awaiting_input``. The answer comes with the task to
+        the next claim that takes it: this agent's first, for a while after the answer."""
+        return self._finish(
+            lambda: self.client.ask(self.task, question, retries=0, **fields), progress=True
+        )
+
+    def ask(self, question: str, *, wait: float = 0, **fields: Unpack[AskFields]) -> Any:
+        """Ask a person ``question`` (arguments as in :meth:`Client.ask`) and wait up to
+        ``wait`` seconds for the answer; return it, with the task held again.
+
+        The ask ends the lease (no strike, no heartbeats while a person thinks). When the
+        answer comes, the task is claimed back (it is held for the asker) with a lease as
+        long as this one: this lease heartbeats again, on the new claim (``task`` is it,
+        its ``answers`` ending with this one; :attr:`answer` is the whole answer, with its
+        ``note``, who gave it and the ``action_digest`` asked with). The wait rides out a
+        server restart. When the wait ends first, :class:`AwaitingInput` is raised and no
+        lease is held; a later claim gets the task with its answers. :class:`LeaseLost` is
+        raised when the task went another way meanwhile (answered and claimed by another
+        agent once the hold was over, escalated unanswered, cancelled).
+        """
+        asked = self.send_ask(question, **fields)
+        if asked.question is None:
+            raise AwaitingInput(f"Task {asked.id} shows no open question.", task=asked)
+        lease_seconds = min(max(1, round(self.lease_seconds)), 86400)
+        try:
+            claimed = self.client.await_answer(asked, wait=wait, lease_seconds=lease_seconds)
+        except LeaseLost as exc:
+            self._lose(exc, notify=False)
+            raise
+        answer = claimed.answer_to(asked.question)
+        self._take_back(claimed)
+        self.answer = answer
+        return answer.answer if answer is not None else None
+
+    def _take_back(self, task: ClaimedTask) -> None:
+        """Hold ``task`` (claimed back after an answer) from now on: heartbeat its lease."""
+        self._halt()
+        with self._control:
+            self.task = task
+            self.latest = task
+            self._clock(task)
+        self._resume()
 
     def __enter__(self) -> Self:
         return self.start()

@@ -18,7 +18,7 @@ from taskboard_agent.worker import Display, Worker, WorkerOptions
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 COMMANDS = ("work", "submit", "tasks")
-STATUSES = ("pending", "in_progress", "done", "escalated", "cancelled")
+STATUSES = ("pending", "in_progress", "awaiting_input", "done", "escalated", "cancelled")
 
 SUMMARY = """\
 Agent commands (over HTTP, as the agent of TASKBOARD_TOKEN, on TASKBOARD_URL):
@@ -75,6 +75,10 @@ def _task_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not task ids: {text}") from None
 
 
+def _labels(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -111,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
             "goes to the server within a second or so. In any shell:\n"
             "  echo '{\"done\": 40}' > /dev/fd/$TASKBOARD_PROGRESS_FD\n"
             "Lines that are not JSON are logged and ignored.\n"
+            "\n"
+            "Asking a person: a command that needs a decision writes one line\n"
+            '{"ask": {...}} to that file descriptor, with the fields of the API\'s ask\n'
+            "(question, options, answer_schema, assignee, answer_within, action_digest),\n"
+            "and exits with status 75:\n"
+            '  echo \'{"ask": {"question": "Drop t?", "options": ["yes", "no"]}}\' \\\n'
+            "    > /dev/fd/$TASKBOARD_PROGRESS_FD; exit 75\n"
+            "The question is asked instead of a fail (no strike), and the task waits for\n"
+            "the answer. Once answered it is held for this agent for a while, so this\n"
+            "worker's next claim takes it. Every attempt gets TASKBOARD_ANSWERS: the JSON\n"
+            "list of the task's answered questions, oldest first ([] when none), each with\n"
+            "its answer, note, answered_by and the question's fields.\n"
             "\n"
             "Failures: a failed task is due again after --retry-after seconds, or, by\n"
             "default, after a backoff: --backoff seconds after the first strike, doubling\n"
@@ -214,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long one attempt may hold the task, however often it heartbeats "
         "('none': no limit, whatever the server's default)",
     )
+    submit.add_argument(
+        "--assignee", metavar="USER", help="only this user (a person or an agent) may claim it"
+    )
+    submit.add_argument(
+        "--requires",
+        type=_labels,
+        action="extend",
+        metavar="LABEL[,LABEL...]",
+        help="capabilities a claimant must all have (repeat or separate with commas)",
+    )
     submit.add_argument("--json", action="store_true", help="print each task as a JSON line")
 
     tasks = commands.add_parser(
@@ -226,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--status", "-s", choices=STATUSES)
     tasks.add_argument("--queue", "-q")
     tasks.add_argument("--leased-by", metavar="USER")
+    tasks.add_argument(
+        "--assignee", metavar="USER", help="tasks for this user ('me': for the token's user)"
+    )
+    tasks.add_argument("--requires", metavar="LABEL", help="tasks that require this capability")
     tasks.add_argument("--parent", type=_positive_int, metavar="ID", help="subtasks of this task")
     tasks.add_argument(
         "--depends-on", type=_positive_int, metavar="ID", help="tasks that wait for this one"
@@ -321,6 +351,8 @@ def submit(client: Client, args: argparse.Namespace) -> int:
             "depends_on": args.depends_on,
             "parent_id": args.parent,
             "max_attempt_seconds": args.max_attempt_seconds,
+            "assignee": args.assignee,
+            "requires": args.requires,
         }.items()
         if value is not None
     }
@@ -367,6 +399,8 @@ def list_tasks(client: Client, args: argparse.Namespace) -> int:
         blocked=args.blocked,
         depends_on=args.depends_on,
         page_size=min(limit, 1000) if limit else 1000,
+        assignee=args.assignee,
+        requires=args.requires,
     )
     tasks: list[Task] = []
     for task in found:

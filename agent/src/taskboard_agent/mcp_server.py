@@ -4,7 +4,7 @@ the server's ``/mcp/`` serves over Streamable HTTP (board.mcp.endpoint).
 (Named mcp_server, not mcp, so that it never hides the SDK's own ``mcp`` package.)
 
 An MCP server built with the official SDK (``mcp.server.mcpserver.MCPServer``) whose tools
-are the board's ten (docs/reference/mcp-tools.md), each one call of the Python client
+are the board's eleven (docs/reference/mcp-tools.md), each one call of the Python client
 (taskboard_agent.client) to the board's REST API, so that both transports answer with the API's
 own validation and error codes. ``taskboard mcp`` runs on the agent's machine, as the agent
 of ``TASKBOARD_TOKEN``, and needs nothing of the server side (no Django); ``/mcp/`` sends
@@ -36,8 +36,9 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -50,6 +51,8 @@ from pydantic import Field
 
 from taskboard_agent.client import (
     NO_LIMIT,
+    AskFields,
+    AwaitingInput,
     ClaimedTask,
     Client,
     Event,
@@ -77,7 +80,18 @@ Title = Annotated[str, Field(min_length=1, max_length=200)]
 QueueName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
 Queues = Annotated[list[QueueName], Field(max_length=100)]
 Text = Annotated[str, Field(min_length=1, max_length=10000)]  # a comment, error or reason
-Status = Literal["pending", "in_progress", "done", "escalated", "cancelled"]
+Status = Literal["pending", "in_progress", "awaiting_input", "done", "escalated", "cancelled"]
+# Asking a person (the API's ask): its bounds.
+Options = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=200)]],
+    Field(min_length=2, max_length=10, json_schema_extra={"uniqueItems": True}),
+]
+AnswerWithin = Annotated[int, Field(ge=60, le=2_592_000)]
+ActionDigest = Annotated[str, Field(min_length=1, max_length=128)]
+AskWait = Annotated[float, Field(ge=0, le=3600)]
+Username = Annotated[str, Field(min_length=1, max_length=150)]
+Label = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9:._-]{0,63}$")]
+Labels = Annotated[list[Label], Field(max_length=20)]
 # Checked by the API (which refuses duplicates and times without an offset), stated here
 # for the model.
 UniqueDependencies = Annotated[Dependencies, Field(json_schema_extra={"uniqueItems": True})]
@@ -95,6 +109,9 @@ The work loop:
    fail_task (it did not work; it will be retried), release_task (give it back untouched)
    or escalate_task (a human must decide).
 If a tool answers "lease_lost", the task is no longer yours: stop working on it at once.
+When you need a person's decision or approval, call ask_human on the task instead of failing
+or escalating it (with wait, to wait for the answer). A task's "answers" are what people
+answered to questions asked about it earlier: follow them.
 Use comment_task to leave notes on a task, create_task to add work (parent_id for subtasks,
 depends_on for tasks that must be done first), and get_task or list_tasks to look around.
 """
@@ -288,6 +305,8 @@ class Session:
         self.present = True
         self._paused = False
         self._attending = threading.Lock()
+        #: Set when the session ends: a wait for an answer stops then.
+        self.ended = threading.Event()
 
     def attend(self, present: bool) -> None:
         """Say whether the session's client is there; :meth:`settle` acts on it."""
@@ -488,6 +507,7 @@ class Session:
             self.closed = True
             leases, self.leases = list(self.leases.values()), {}
             idle = self._claims == 0
+        self.ended.set()
         for lease in leases:
             lease.stop()
             if self.park is not None and not (lease.lost or lease.finished):
@@ -541,6 +561,41 @@ async def _call(
 # four retries) are for agents that can wait minutes.
 TOOL_CALL_LIMITS: dict[str, Any] = {"timeout": 10.0, "retries": 1, "max_backoff": 5.0}
 
+# Seconds between two progress notifications while a tool call waits for a person, to a
+# client that asked for them: a host that times tool calls out, and counts from the last
+# progress, keeps waiting.
+PROGRESS_EVERY = 15.0
+
+
+async def _telling_progress(ctx: Context, call: Callable[[], Awaitable[T]], total: float) -> T:
+    """Await ``call()``, notifying the seconds waited so far every PROGRESS_EVERY."""
+    started = time.monotonic()
+
+    async def tell() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_EVERY)
+            try:
+                await ctx.report_progress(
+                    time.monotonic() - started, total, "waiting for a person's answer"
+                )
+            except Exception as exc:  # a client gone mid-wait: the wait goes on
+                logger.debug("mcp: progress not sent: %s", exc)
+
+    outcome: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(tell)
+        try:
+            outcome.append(await call())
+        except Exception as exc:  # raised below, not wrapped in the group's ExceptionGroup
+            failure.append(exc)
+        finally:
+            group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
 SessionOf = Callable[[Context], Session]
 
 # The arguments a tool call named as null, where null means something other than leaving
@@ -579,6 +634,8 @@ def build_server(session_of: SessionOf) -> MCPServer:
         max_failures: MaxFailures | None = None,
         run_after: Time | None = None,
         max_attempt_seconds: AttemptSeconds | None = None,
+        assignee: Username | None = None,
+        requires: Labels | None = None,
         *,
         ctx: Context,
     ) -> dict[str, Any]:
@@ -587,9 +644,10 @@ def build_server(session_of: SessionOf) -> MCPServer:
         Use parent_id to split the task you hold into subtasks, and depends_on (ids of
         existing tasks) for work that may start only once those are done. run_after is an
         ISO 8601 time with a UTC offset. max_attempt_seconds caps one attempt however
-        often its holder heartbeats (null: no limit; left out: the board's default). Each
-        call makes a new task (a call whose answer was lost on the way is retried for you
-        without making a second one).
+        often its holder heartbeats (null: no limit; left out: the board's default).
+        assignee: the one user (a person or an agent) who may claim it; requires: the
+        capabilities a claimant must all have. Each call makes a new task (a call whose
+        answer was lost on the way is retried for you without making a second one).
         """
         if "max_attempt_seconds" in _given_null.get():  # as over the API: no limit
             max_attempt_seconds = NO_LIMIT  # type: ignore[assignment]
@@ -605,6 +663,8 @@ def build_server(session_of: SessionOf) -> MCPServer:
             max_failures=max_failures,
             run_after=run_after,
             max_attempt_seconds=max_attempt_seconds,
+            assignee=assignee,
+            requires=requires,
         )
         return _public(task)
 
@@ -619,9 +679,10 @@ def build_server(session_of: SessionOf) -> MCPServer:
         """Claim the next task to work on, or nothing (null) when there is none.
 
         wait (0..60 seconds) waits for work to come. The task's "progress" is how far an
-        earlier attempt got: resume from there. While this session lasts the lease is kept
-        alive for you, however long you think. You must end the task with complete_task,
-        fail_task, release_task or escalate_task.
+        earlier attempt got: resume from there; its "answers" are what people answered
+        to questions asked about it (ask_human): follow them. While this session lasts
+        the lease is kept alive for you, however long you think. You must end the task
+        with complete_task, fail_task, release_task, escalate_task or ask_human.
         """
         session = session_of(ctx)
 
@@ -717,6 +778,83 @@ def build_server(session_of: SessionOf) -> MCPServer:
         )
 
     @server.tool()
+    async def ask_human(
+        task_id: TaskId,
+        question: Text,
+        options: Options | None = None,
+        answer_schema: dict[str, Any] | None = None,
+        assignee: Username | None = None,
+        answer_within: AnswerWithin | None = None,
+        action_digest: ActionDigest | None = None,
+        wait: AskWait | None = None,
+        *,
+        ctx: Context,
+    ) -> dict[str, Any]:
+        """Ask a person a question about a task you hold, when you need a decision or an
+        approval you cannot make yourself, instead of failing or escalating the task.
+
+        options: the answers to choose from (such as ["approve", "deny"]); or
+        answer_schema: a JSON Schema the answer must match; neither: a free-text answer.
+        assignee: the username of the person who should answer. answer_within: seconds
+        before an unanswered question is escalated to the humans (default: a day).
+        action_digest: for an approval, a digest of exactly what you will do (the SHA-256
+        of the command, say); the answer repeats it. The task leaves your hands while the
+        person thinks (no strike). wait (0..3600 seconds): wait for the answer; when it
+        comes you hold the task again and get {"task", "answer"}. Otherwise you get
+        {"status": "awaiting_input"}: do other work; a later claim_task gives you the
+        task back with its "answers" (it is kept for you for a while after the answer).
+        """
+        session = session_of(ctx)
+        fields: AskFields = {
+            "options": options,
+            "answer_schema": answer_schema,
+            "assignee": assignee,
+            "answer_within": answer_within,
+            "action_digest": action_digest,
+        }
+        lengths: list[float] = []
+
+        def send(lease: Lease) -> Task:
+            lengths.append(lease.lease_seconds)
+            return lease.send_ask(question, **fields)
+
+        asked = Task.from_json(
+            await anyio.to_thread.run_sync(
+                lambda: session.end(
+                    task_id,
+                    send,
+                    lambda token: session.client.ask(
+                        task_id, question, lease_token=token, **fields
+                    ),
+                )
+            )
+        )
+        if not wait:
+            return {"status": "awaiting_input", "task": _public(asked)}
+
+        def answered() -> dict[str, Any]:
+            with session.claiming():
+                try:
+                    claimed = session.client.await_answer(
+                        asked,
+                        wait=wait,
+                        lease_seconds=min(max(1, round(lengths[0])), 86400),
+                        stop=session.ended,
+                    )
+                except AwaitingInput as exc:
+                    return {"status": "awaiting_input", "task": _public(exc.task or asked)}
+                session.hold(claimed)
+                answer = claimed.answer_to(asked.question) if asked.question else None
+                return {
+                    "task": _public(claimed),
+                    "answer": answer.answer if answer is not None else None,
+                }
+
+        return await _telling_progress(
+            ctx, lambda: _call(answered, limiter=_waiting_limiter()), wait
+        )
+
+    @server.tool()
     async def comment_task(task_id: TaskId, body: Text, *, ctx: Context) -> dict[str, Any]:
         """Add a comment to a task's history (any task, held or not): notes for the humans
         and agents who read it. Answers the comment's event."""
@@ -737,15 +875,22 @@ def build_server(session_of: SessionOf) -> MCPServer:
         queue: QueueName | None = None,
         parent: TaskId | None = None,
         blocked: bool | None = None,
+        assignee: Username | None = None,
         *,
         ctx: Context,
     ) -> Annotated[CallToolResult, list[dict[str, Any]]]:
-        """List tasks, newest first (up to 100): by status (pending, in_progress, done,
-        escalated, cancelled), queue, parent (subtasks of a task) or blocked (waiting for
-        a dependency)."""
+        """List tasks, newest first (up to 100): by status (pending, in_progress,
+        awaiting_input, done, escalated, cancelled), queue, parent (subtasks of a task),
+        blocked (waiting for a dependency) or assignee (the tasks for that user; "me": for
+        you)."""
         client = session_of(ctx).client
         page = await _call(
-            client.list_tasks, status=status, queue=queue, parent=parent, blocked=blocked
+            client.list_tasks,
+            status=status,
+            queue=queue,
+            parent=parent,
+            blocked=blocked,
+            assignee=assignee,
         )
         return _answer([_public(task) for task in page.results])
 

@@ -3,8 +3,8 @@
 For each claimed task the command runs once, with the task's JSON on stdin and
 ``TASKBOARD_TASK_ID``, ``TASKBOARD_TASK_QUEUE``, ``TASKBOARD_TASK_TITLE``,
 ``TASKBOARD_LEASE_TOKEN``, ``TASKBOARD_URL``, ``TASKBOARD_TOKEN``, ``TASKBOARD_ATTEMPT``
-(1 on the first try), ``TASKBOARD_PROGRESS`` and ``TASKBOARD_PROGRESS_FD`` in its
-environment. While it runs, a thread heartbeats the lease.
+(1 on the first try), ``TASKBOARD_PROGRESS``, ``TASKBOARD_PROGRESS_FD`` and
+``TASKBOARD_ANSWERS`` in its environment. While it runs, a thread heartbeats the lease.
 
 - Progress: ``TASKBOARD_PROGRESS`` is the JSON of the progress the previous attempts
   reported (``null`` when none), so that the command resumes instead of starting over.
@@ -12,6 +12,14 @@ environment. While it runs, a thread heartbeats the lease.
   pipe) is the progress so far: the latest is sent with a heartbeat within a second or
   so, and before the task is completed, failed or released. Lines that are not JSON (or
   null, or over ``MAX_PROGRESS_BYTES``) are logged and ignored.
+- Asking a person: a command that needs a decision writes one line
+  ``{"ask": {"question": ..., "options": ..., ...}}`` (the fields of the API's ask) to
+  ``TASKBOARD_PROGRESS_FD`` and exits with status 75 (``ASK_EXIT_STATUS``): the question
+  is asked instead of a fail, the lease ends without a strike, and the task awaits the
+  answer. Once answered it is held for this agent a while, so this worker's next claim
+  takes it. ``TASKBOARD_ANSWERS`` is the JSON list of every question asked about the task
+  and answered (``[]`` when none), oldest first, each with its ``answer``, ``note``,
+  ``answered_by`` and the question's fields; the task's JSON on stdin has them too.
 - Exit status 0: the task is completed with the command's stdout as its result (the JSON
   value when stdout parses as JSON, else the text; null when it is empty).
 - Any other exit: the task fails (a strike) with the exit status and the tail of stderr,
@@ -70,6 +78,17 @@ MAX_STDOUT_BYTES = 1024 * 1024
 # A progress line longer than this is ignored: progress is a checkpoint, kept on the task
 # and in every heartbeat event that reports it, not a second result.
 MAX_PROGRESS_BYTES = 64 * 1024
+# An ask line may be longer (a question of 10,000 characters and a 64 KiB answer schema).
+MAX_ASK_BYTES = 256 * 1024
+# The exit status with which a command that wrote an ask line asks (EX_TEMPFAIL).
+ASK_EXIT_STATUS = 75
+# The fields an ask line may have (POST tasks/{id}/ask/ without the lease token).
+ASK_FIELDS = frozenset(
+    {"question", "options", "answer_schema", "assignee", "answer_within", "action_digest"}
+)
+# TASKBOARD_ANSWERS is kept within this many bytes: a variable over 128 KiB cannot be
+# passed to a program on Linux (E2BIG), and every attempt would fail to start.
+MAX_ANSWERS_BYTES = 96 * 1024
 # Malformed progress lines logged for one run; later ones are ignored silently.
 MAX_PROGRESS_COMPLAINTS = 10
 # Why a command was stopped.
@@ -79,6 +98,7 @@ SHUTDOWN = "shutdown"
 # this worker is not passed on).
 PROGRESS_VARIABLE = "TASKBOARD_PROGRESS"
 PROGRESS_FD_VARIABLE = "TASKBOARD_PROGRESS_FD"
+ANSWERS_VARIABLE = "TASKBOARD_ANSWERS"
 
 
 @dataclass(frozen=True)
@@ -228,10 +248,13 @@ class ProgressPipe:
 
     The command gets the write end (its number in ``TASKBOARD_PROGRESS_FD``); a thread
     reads the other and hands each value to ``report`` (the lease, which heartbeats the
-    latest). Malformed lines go to ``complain`` and are otherwise ignored.
+    latest). A line ``{"ask": {...}}`` is no progress but a question to ask: the latest is
+    kept in :attr:`ask`. Malformed lines go to ``complain`` and are otherwise ignored.
     """
 
     def __init__(self, report: Callable[[Any], None], complain: Callable[[str], None]) -> None:
+        #: The fields of the last ask line the command wrote, or None.
+        self.ask: dict[str, Any] | None = None
         self._read, self.write_fd = os.pipe()
         self._report = report
         self._complain = complain
@@ -255,20 +278,26 @@ class ProgressPipe:
 
     def _run(self) -> None:
         with os.fdopen(self._read, "rb") as pipe:
-            while line := pipe.readline(MAX_PROGRESS_BYTES + 1):
-                if len(line) > MAX_PROGRESS_BYTES:
-                    self._ignore(f"over {MAX_PROGRESS_BYTES} bytes", line)
+            while line := pipe.readline(MAX_ASK_BYTES + 1):
+                if len(line) > MAX_ASK_BYTES:
+                    self._ignore(f"over {MAX_ASK_BYTES} bytes", line)
                     while line and not line.endswith(b"\n"):  # skip the rest of it
-                        line = pipe.readline(MAX_PROGRESS_BYTES)
+                        line = pipe.readline(MAX_ASK_BYTES)
                     continue
                 if not line.strip():
                     continue
                 try:
                     value = parse_progress(line)
+                    ask = parse_ask(value)
                 except ValueError as exc:
                     self._ignore(str(exc), line)
                     continue
-                self._report(value)
+                if ask is not None:
+                    self.ask = ask
+                elif len(line) > MAX_PROGRESS_BYTES:
+                    self._ignore(f"over {MAX_PROGRESS_BYTES} bytes", line)
+                else:
+                    self._report(value)
 
     def _ignore(self, why: str, line: bytes) -> None:
         self._complaints += 1
@@ -292,6 +321,39 @@ def parse_progress(line: bytes) -> Any:
     if _holds_nul(value):
         raise ValueError("PostgreSQL cannot store a NUL character")
     return value
+
+
+def parse_ask(value: Any) -> dict[str, Any] | None:
+    """Return the fields of an ask line's value (``{"ask": {...}}``: an object with that
+    one key), or None for a value that is progress; raise ValueError for an ask that is
+    not an object."""
+    if not (isinstance(value, dict) and list(value) == ["ask"]):
+        return None
+    fields = value["ask"]
+    if not isinstance(fields, dict):
+        raise ValueError("an ask must be a JSON object of the question's fields")
+    return fields
+
+
+def answers_variable(answers: list[Any]) -> str:
+    """Return ``TASKBOARD_ANSWERS``: the JSON list of ``answers`` (the task's, oldest
+    first), within MAX_ANSWERS_BYTES: when they do not fit, without their answer schemas,
+    and then only the newest that fit (the task's JSON on stdin has them all)."""
+    text = json.dumps(answers)
+    if len(text.encode()) <= MAX_ANSWERS_BYTES:
+        return text
+    lean = [
+        {key: value for key, value in answer.items() if key != "answer_schema"}
+        if isinstance(answer, dict)
+        else answer
+        for answer in answers
+    ]
+    kept: list[Any] = []
+    for answer in reversed(lean):
+        if len(json.dumps([answer, *kept]).encode()) > MAX_ANSWERS_BYTES:
+            break
+        kept.insert(0, answer)
+    return json.dumps(kept)
 
 
 def _holds_nul(value: Any) -> bool:
@@ -419,7 +481,7 @@ class Worker:
         self.client = client
         self.options = options
         self.display = display or Display()
-        self.done = self.failed = self.lost = self.released = 0
+        self.done = self.failed = self.lost = self.released = self.asked = 0
         self._runs: dict[int, Run] = {}
         self._changed = threading.Condition()
         self._stopping = threading.Event()
@@ -451,7 +513,7 @@ class Worker:
             self._restore_signal_handlers(previous)
         self.display.log(
             f"stopped: {self.done} done, {self.failed} failed, "
-            f"{self.released} released, {self.lost} lost"
+            f"{self.released} released, {self.lost} lost, {self.asked} asked"
         )
         return 1 if self._fatal is not None else 0
 
@@ -613,6 +675,8 @@ class Worker:
                     self.failed += 1
                 elif outcome == "released":
                     self.released += 1
+                elif outcome == "asked":
+                    self.asked += 1
                 else:
                     self.lost += 1
                 self._changed.notify_all()
@@ -651,6 +715,8 @@ class Worker:
             return "lost"
         if run.stopped_for == SHUTDOWN:
             return self._report(lease, "released")
+        if returncode == ASK_EXIT_STATUS and progress.ask is not None:
+            return self._report(lease, "asked", ask=progress.ask, elapsed=elapsed)
         if returncode != 0:
             error = failure_message(returncode, output.stderr_tail)
             return self._report(lease, "failed", error=error, elapsed=elapsed)
@@ -668,9 +734,11 @@ class Worker:
         *,
         result: Any = None,
         error: str = "",
+        ask: dict[str, Any] | None = None,
         elapsed: float | None = None,
     ) -> str:
-        """Complete, fail or release the task; return the outcome that took effect."""
+        """Complete, fail, release the task or ask about it; return the outcome that
+        took effect."""
         task_id = lease.task.id
         took = f" in {elapsed:.1f} s" if elapsed is not None else ""
         try:
@@ -684,6 +752,8 @@ class Worker:
                     self.display.log(f"task {task_id}: failed{took}: {error}; {after}")
                     return "failed"
                 self.display.log(f"task {task_id}: done{took}")
+            elif outcome == "asked":
+                return self._ask(lease, ask or {}, took)
             elif outcome == "failed":
                 after = self._fail(lease, error)
                 self.display.log(f"task {task_id}: failed{took}: {_gist(error)}; {after}")
@@ -697,6 +767,29 @@ class Worker:
             self.display.log(f"task {task_id}: could not report it: {exc}")
             return "lost"
         return outcome
+
+    def _ask(self, lease: Lease, ask: dict[str, Any], took: str) -> str:
+        """Send the command's ask instead of a fail; return the outcome that took effect:
+        an ask the server refuses fails the task, saying why (the lease is still ours)."""
+        task_id = lease.task.id
+        status = f"exit status {ASK_EXIT_STATUS} to ask"
+        if unknown := sorted(set(ask) - ASK_FIELDS):
+            error = f"{status}, but the ask has unknown fields: {', '.join(unknown)}"
+        else:
+            fields = {key: value for key, value in ask.items() if key != "question"}
+            try:
+                lease.send_ask(ask.get("question"), **fields)  # type: ignore[arg-type]
+            except (ValidationError, PayloadTooLarge) as exc:
+                why = "; ".join(f"{name}: {' '.join(text)}" for name, text in exc.fields.items())
+                error = f"{status}, but the ask was refused: {exc}" + (f" ({why})" if why else "")
+            else:
+                question = str(ask.get("question"))
+                gist = question if len(question) <= 120 else question[:119] + "…"
+                self.display.log(f"task {task_id}: asked a person{took}, awaiting input: {gist}")
+                return "asked"
+        after = self._fail(lease, error)
+        self.display.log(f"task {task_id}: failed{took}: {error}; {after}")
+        return "failed"
 
     def _complete(self, lease: Lease, result: Any) -> None:
         """Complete the task, trying again while the board does not answer (a restart, a
@@ -764,6 +857,7 @@ class Worker:
             TASKBOARD_ATTEMPT=str(task.failure_count + 1),
         )
         env[PROGRESS_FD_VARIABLE] = str(progress_fd)
+        env[ANSWERS_VARIABLE] = answers_variable(list(task.raw.get("answers") or []))
         if "progress" in task.raw:  # a server older than progress sends none
             env[PROGRESS_VARIABLE] = json.dumps(task.progress)
         if self.options.token:
