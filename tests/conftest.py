@@ -24,7 +24,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # What puts a test in the server tier: a committed database that other connections see, or
 # a server of its own.
 SERVER_FIXTURES = frozenset(
-    {"transactional_db", "live_server", "server", "start_serve", "browser", "page", "person"}
+    {
+        "transactional_db",
+        "live_server",
+        "server",
+        "module_server",
+        "start_serve",
+        "browser",
+        "page",
+        "person",
+    }
 )
 
 
@@ -74,8 +83,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     (pyproject's addopts) hands them out one at a time (one group at a time, for tests
     marked with an ``xdist_group``)."""
     seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    for item in items:
-        item.add_marker(tier(item))
 
     def own(item: pytest.Item) -> float:
         if item.nodeid in seconds:
@@ -84,8 +91,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             return 5.0
         return 2.0 if item.get_closest_marker("slow") else 0.1
 
-    def expected(item: pytest.Item) -> tuple[int, float]:
-        return database_rank(item), -own(item)
+    # The tests of a module that share its server (module_server) run one after the other
+    # on one worker, as a block as long as all of them: otherwise the order above would
+    # mix them with others' and each would start the module's server again.
+    blocks: dict[str, float] = {}
+    for item in items:
+        item.add_marker(tier(item))
+        if "module_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+            blocks[item.path.name] = blocks.get(item.path.name, 0.0) + own(item)
+
+    def expected(item: pytest.Item) -> tuple[int, float, str, float]:
+        block = item.path.name if "module_server" in getattr(item, "fixturenames", ()) else ""
+        if block:
+            return database_rank(item), -blocks[block], block, -own(item)
+        return database_rank(item), -own(item), block, 0.0
 
     items.sort(key=expected)
 
@@ -226,6 +246,21 @@ def server() -> Iterator[Any]:
     from tests.live import live_server
 
     with live_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def module_server(django_db_setup: None, django_db_blocker: Any) -> Iterator[Any]:
+    """One :func:`server` for the tests of a module that talk to it only through the API,
+    each with users and tasks of its own, and that neither stop it nor need it started
+    anew (a module's own ``server`` fixture returns this one). Its tests run as a block
+    (:func:`pytest_collection_modifyitems`); they must be ``transaction=True``, so that the
+    server sees what they commit, and they leave nothing open on it, since their flush
+    runs while it serves. Database access stays allowed while it runs: its threads (the
+    lifespan's sender, the relay) reach the database between tests too."""
+    from tests.live import live_server
+
+    with django_db_blocker.unblock(), live_server() as running:
         yield running
 
 

@@ -63,6 +63,13 @@ def token(fast_password_hashing: None, agent: Any) -> str:
 
 
 @pytest.fixture
+def server(module_server: LiveServer) -> LiveServer:
+    """The module's one server: these tests only call the API, as users of their own (the
+    stream's resume after a dropped connection starts and stops servers of its own)."""
+    return module_server
+
+
+@pytest.fixture
 def board(server: LiveServer, token: str) -> Iterator[Client]:
     with Client(server.url, token) as client:
         yield client

@@ -43,6 +43,13 @@ def token(fast_password_hashing: None) -> str:
     return token_of(UserFactory(username=WORKER))
 
 
+@pytest.fixture
+def server(module_server: LiveServer) -> LiveServer:
+    """The module's one server: the workers, killed at each test's end, are the processes
+    these tests stop, and each test has tasks and agents of its own."""
+    return module_server
+
+
 def taskboard(
     server: LiveServer, token: str, *args: str, stdin: str = ""
 ) -> subprocess.CompletedProcess[str]:
