@@ -136,24 +136,24 @@ def _flush_past_the_append_only_trigger() -> Iterator[None]:
 
 @pytest.fixture
 def agent(db: None) -> Any:
-    return UserFactory(username="agent-smith")
+    return UserFactory.create(username="agent-smith")
 
 
 @pytest.fixture
 def other_agent(db: None) -> Any:
-    return UserFactory(username="agent-jones")
+    return UserFactory.create(username="agent-jones")
 
 
 @pytest.fixture
 def staff(db: None) -> Any:
-    return StaffFactory(username="ops-alice")
+    return StaffFactory.create(username="ops-alice")
 
 
 @pytest.fixture
 def make_task(db: None, agent: Any) -> Callable[..., Any]:
     def make(**kwargs: Any) -> Any:
         kwargs.setdefault("created_by", agent)
-        return TaskFactory(**kwargs)
+        return TaskFactory.create(**kwargs)
 
     return make
 
@@ -165,7 +165,7 @@ def api() -> Callable[[Any], APIClient]:
     def client_for(user: Any | None) -> APIClient:
         client = APIClient()
         if user is not None:
-            token = TokenFactory(user=user)
+            token = TokenFactory.create(user=user)
             client.credentials(HTTP_AUTHORIZATION=f"Bearer {token.key}")
         return client
 

@@ -707,7 +707,7 @@ def test_the_stream_and_the_events_cursor_carry_on_after_an_archive(
     task = transitions.create(actor=agent, title="lives on")
     old = [past_event(task, month_start(2) + timedelta(days=n)) for n in range(3)]
     kept = transitions.comment(task_id=task.pk, actor=agent, body="kept")
-    token = TokenFactory(user=UserFactory(username="watcher"))
+    token = TokenFactory.create(user=UserFactory.create(username="watcher"))
     headers = {"Authorization": f"Bearer {token.key}"}
 
     call_command("archive", "--before", f"{month_start(1):%Y-%m-%d}", "--to", str(tmp_path / "a"))

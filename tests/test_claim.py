@@ -96,7 +96,7 @@ def test_concurrent_claimers_get_every_task_exactly_once(
     make_task: Callable[..., Task],
 ) -> None:
     tasks = [make_task(priority=i % 7, queue=f"q{i % 3}") for i in range(150)]
-    agents = [UserFactory(username=f"racer-{i}") for i in range(16)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(16)]
 
     def claim_until_empty(index: int) -> list[tuple[int, str]]:
         got: list[tuple[int, str]] = []
@@ -148,7 +148,7 @@ def test_concurrent_claims_of_one_expired_lease_record_its_expiry_once(
     task = make_task()
     transitions.claim(actor=agent)
     expire(task.pk)
-    agents = [UserFactory(username=f"racer-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(8)]
 
     results = in_threads(8, lambda i: transitions.claim(actor=agents[i]))
 
@@ -374,8 +374,8 @@ def test_leases_in_flight_are_kept_apart_under_concurrent_heartbeats_and_claims(
     # take a live lease, and every heartbeat of a live lease succeeds.
     for _ in range(8):
         make_task()
-    holders = [UserFactory(username=f"holder-{i}") for i in range(8)]
-    claimers = [UserFactory(username=f"claimer-{i}") for i in range(8)]
+    holders = [UserFactory.create(username=f"holder-{i}") for i in range(8)]
+    claimers = [UserFactory.create(username=f"claimer-{i}") for i in range(8)]
     leases = [transitions.claim(actor=holder, lease_seconds=60)[0] for holder in holders]
 
     def work(index: int) -> int:
@@ -403,7 +403,7 @@ def test_lease_tokens_are_unique_across_concurrent_claims(
 ) -> None:
     for _ in range(40):
         make_task()
-    agents = [UserFactory(username=f"racer-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(8)]
 
     results = in_threads(8, lambda i: transitions.claim(actor=agents[i], limit=5))
 

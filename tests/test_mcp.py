@@ -58,7 +58,7 @@ TOOLS = {
 
 @pytest.fixture
 def token() -> str:
-    return str(TokenFactory(user=UserFactory(username="llm-agent")).key)
+    return str(TokenFactory.create(user=UserFactory.create(username="llm-agent")).key)
 
 
 @pytest.fixture(params=["stdio", "http"])
@@ -309,10 +309,10 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
     lease_lost), rather than the session answering lease_lost for all."""
     from board.access import limit_queues
 
-    limited = UserFactory(username="llm-limited")
+    limited = UserFactory.create(username="llm-limited")
     limit_queues(limited, ["mine"])
-    token = str(TokenFactory(user=limited).key)
-    other = UserFactory(username="someone-else")
+    token = str(TokenFactory.create(user=limited).key)
+    other = UserFactory.create(username="someone-else")
     theirs = transitions.create(actor=other, title="theirs", queue="theirs")
     held = transitions.create(actor=other, title="held", queue="mine")
     transitions.claim(actor=other, queues=["mine"])
@@ -379,7 +379,7 @@ def test_a_refused_finish_leaves_the_task_held_and_heartbeating(
 def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
     server: LiveServer, token: str, transport: str
 ) -> None:
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:
@@ -404,10 +404,12 @@ def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
 def test_several_sessions_at_once_never_get_the_same_task(
     server: LiveServer, transport: str
 ) -> None:
-    creator = UserFactory(username="planner")
+    creator = UserFactory.create(username="planner")
     for n in range(12):
         transitions.create(actor=creator, title=f"t{n}", queue="many")
-    tokens = [str(TokenFactory(user=UserFactory(username=f"llm-{n}")).key) for n in range(3)]
+    tokens = [
+        str(TokenFactory.create(user=UserFactory.create(username=f"llm-{n}")).key) for n in range(3)
+    ]
     held: dict[int, list[int]] = {}
 
     async def test() -> None:
@@ -526,7 +528,7 @@ def test_http_a_wrong_token_is_a_clear_error_from_the_sdks_client_not_an_oauth_f
 
 
 def test_http_a_session_belongs_to_the_token_that_opened_it(server: LiveServer, token: str) -> None:
-    other = str(TokenFactory(user=UserFactory(username="intruder")).key)
+    other = str(TokenFactory.create(user=UserFactory.create(username="intruder")).key)
     opened = httpx.post(
         f"{server.url}/mcp/",
         json=INITIALIZE,
@@ -553,7 +555,7 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
     settings: Any, token: str
 ) -> None:
     settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test(server: LiveServer) -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -663,7 +665,7 @@ def test_stdio_a_client_that_starts_a_process_per_call_finishes_what_it_claimed(
 def test_http_a_claim_whose_lease_ran_out_before_a_new_session_came_says_so(
     server: LiveServer, token: str
 ) -> None:
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test() -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -749,7 +751,7 @@ def test_http_a_killed_clients_task_returns_within_its_lease_not_the_session_idl
 
     lease = 3
     assert settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS == 120  # the default, far above
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
     client = subprocess.Popen(
         [sys.executable, "-c", HOLDING_CLIENT, f"{server.url}/mcp/", token],
         stdout=subprocess.PIPE,

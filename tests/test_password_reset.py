@@ -58,7 +58,7 @@ def email_on(settings: Any) -> Iterator[Any]:
 
 def account(username: str, email: str) -> Any:
     """Return a user with that email and a usable password (one that may reset it)."""
-    user = UserFactory(username=username, email=email)
+    user = UserFactory.create(username=username, email=email)
     user.set_password("old-password")
     user.save()
     return user

@@ -191,7 +191,7 @@ def test_concurrent_creates_never_pass_the_rate_together(
 ) -> None:
     settings.TASKBOARD_CREATE_RATE = 5
     fresh_window(20)
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
 
     statuses = creates_at_once(server.url, [token], 16)
 
@@ -213,7 +213,7 @@ def test_the_count_is_shared_by_two_server_processes(
     in the database. The serve process reads its rate from the environment."""
     settings.TASKBOARD_CREATE_RATE = 6000  # the default, which the serve process has too
     fresh_window(20)
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     headers = {"Authorization": f"Bearer {token}"}
     # Most of the default rate spent through the database, as a third process would.
     with connection.cursor() as cursor:
@@ -241,7 +241,7 @@ def test_an_mcp_tool_past_the_rate_says_rate_limited_and_when_to_retry(
     settings.TASKBOARD_CREATE_RATE = 1
     settings.TASKBOARD_COMMENT_RATE = 1
     fresh_window(20)
-    token = str(TokenFactory(user=UserFactory(username="llm-agent")).key)
+    token = str(TokenFactory.create(user=UserFactory.create(username="llm-agent")).key)
 
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:

@@ -59,7 +59,7 @@ def server(request: Any, tmp_path: Any, settings: Any) -> Iterator[LiveServer]:
 
 @pytest.fixture
 def watcher() -> dict[str, str]:
-    token = TokenFactory(user=UserFactory(username="watcher"))
+    token = TokenFactory.create(user=UserFactory.create(username="watcher"))
     return {"Authorization": f"Bearer {token.key}"}
 
 
@@ -528,8 +528,8 @@ def test_a_change_the_relay_heard_is_not_acted_on_again_when_it_reconnects() -> 
     read them (migration 0015); a change it heard and acted on meanwhile is not one."""
     from access import tokens
 
-    user = UserFactory(username="heard-once")
-    TokenFactory(user=user)
+    user = UserFactory.create(username="heard-once")
+    TokenFactory.create(user=user)
     background = BackgroundLoop()
     relay = relay_module.Relay(relay_module.django_conninfo())
     heard: list[int | None] = []
@@ -591,8 +591,8 @@ def quick_recheck(settings: Any) -> None:
 def test_an_open_stream_ends_when_its_token_is_rotated(server: LiveServer) -> None:
     from access import tokens
 
-    user = UserFactory(username="leaky")
-    old = TokenFactory(user=user).key
+    user = UserFactory.create(username="leaky")
+    old = TokenFactory.create(user=user).key
     with StreamCollector(stream_url(server), {"Authorization": f"Bearer {old}"}) as stream:
         assert stream.status == 200
         tokens.issue(user)
@@ -619,7 +619,7 @@ def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServ
     from django.test import Client
 
     browser = Client()
-    browser.force_login(UserFactory(username="person"))
+    browser.force_login(UserFactory.create(username="person"))
     cookie = f"sessionid={browser.cookies['sessionid'].value}"
     with StreamCollector(stream_url(server), {"Cookie": cookie}) as stream:
         assert stream.status == 200
@@ -656,8 +656,8 @@ def test_a_rotated_token_ends_its_stream_at_once_and_is_refused_at_once(
 ) -> None:
     from access import tokens
 
-    user = UserFactory(username="rotated")
-    old = TokenFactory(user=user).key
+    user = UserFactory.create(username="rotated")
+    old = TokenFactory.create(user=user).key
     headers = {"Authorization": f"Bearer {old}"}
     # The token's lookup is now cached in the server, as an agent's is.
     assert httpx.get(f"{server.url}/api/v1/tasks/", headers=headers).status_code == 200
@@ -691,7 +691,7 @@ def logged_in(username: str) -> tuple[Any, dict[str, str]]:
     from django.test import Client
 
     browser = Client()
-    browser.force_login(UserFactory(username=username))
+    browser.force_login(UserFactory.create(username=username))
     return browser, {"Cookie": f"sessionid={browser.cookies['sessionid'].value}"}
 
 
@@ -748,8 +748,8 @@ def test_a_change_made_while_the_relay_was_cut_off_ends_the_stream_once_it_liste
     connects again, and the user's streams end then, held in Pushpin too."""
     from access import tokens
 
-    user = UserFactory(username="rotated-in-the-dark")
-    headers = {"Authorization": f"Bearer {TokenFactory(user=user).key}"}
+    user = UserFactory.create(username="rotated-in-the-dark")
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=user).key}"}
     relay = relay_of(server)
     with StreamCollector(stream_url(server), headers) as stream:
         assert stream.status == 200
@@ -1289,10 +1289,11 @@ def test_held_streams_of_different_agents_are_never_answered_for_each_other(
 
     if shutil.which("pushpin") is None:
         pytest.skip("no pushpin (apt-get install pushpin; .ci/run installs it)")
-    limited_user = UserFactory(username="limited")
+    limited_user = UserFactory.create(username="limited")
     limit_queues(limited_user, ["open"])
-    limited = {"Authorization": f"Bearer {TokenFactory(user=limited_user).key}"}
-    unlimited = {"Authorization": f"Bearer {TokenFactory(user=UserFactory(username='all')).key}"}
+    limited = {"Authorization": f"Bearer {TokenFactory.create(user=limited_user).key}"}
+    unlimited_user = UserFactory.create(username="all")
+    unlimited = {"Authorization": f"Bearer {TokenFactory.create(user=unlimited_user).key}"}
     slow_next_link = stream_module.next_link
 
     async def next_link(*args: Any) -> None:
@@ -1516,8 +1517,8 @@ def test_a_huge_task_with_a_heartbeat_flood_leaves_every_server_process_s_memory
     """One agent creates a task with a 0.93 MB description, claims it and sends 150
     heartbeats while one stream is open: every server process reads every event, and none
     may keep the description with each of them (nor send it to the stream)."""
-    hoarder = UserFactory(username="hoarder")
-    token = TokenFactory(user=hoarder)
+    hoarder = UserFactory.create(username="hoarder")
+    token = TokenFactory.create(user=hoarder)
     headers = {"Authorization": f"Bearer {token.key}"}
     server = ServeProcess(
         tmp_path / "serve.log",

@@ -158,8 +158,8 @@ def test_concurrent_creates_that_share_dependencies_never_deadlock(agent: Any) -
 
 
 def test_sixteen_threads_never_claim_a_task_before_all_its_dependencies_are_done() -> None:
-    agents = [UserFactory(username=f"graph-agent-{i}") for i in range(16)]
-    planner = UserFactory(username="planner")
+    agents = [UserFactory.create(username=f"graph-agent-{i}") for i in range(16)]
+    planner = UserFactory.create(username="planner")
     rng = random.Random(9)
     ids: list[int] = []
     for number in range(120):
@@ -349,7 +349,7 @@ def counts_by_scan() -> dict[str, dict[str, int]]:
 def test_queue_counts_equal_a_count_after_thousands_of_concurrent_random_transitions(
     staff: Any,
 ) -> None:
-    agents = [UserFactory(username=f"busy-agent-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"busy-agent-{i}") for i in range(8)]
     queues = ["alpha", "beta", "gamma"]
     transitions_done = Counter[str]()
     lock = threading.Lock()

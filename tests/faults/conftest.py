@@ -47,7 +47,7 @@ def token_for(fast_password_hashing: None) -> Callable[[str], str]:
     """Return a function that makes a user with an API token and returns the token."""
 
     def make(username: str) -> str:
-        token: Any = TokenFactory(user=UserFactory(username=username))
+        token: Any = TokenFactory.create(user=UserFactory.create(username=username))
         return str(token.key)
 
     return make
