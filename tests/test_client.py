@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 
 import taskboard_agent.client as client_module
@@ -51,9 +52,9 @@ pytestmark = pytest.mark.once
 live = pytest.mark.django_db(transaction=True)
 
 
-def token_of(user: Any) -> str:
+def token_of(user: User) -> str:
     """Return the API token of ``user`` (made on first use)."""
-    token: Any = TokenFactory.create(user=user)
+    token = TokenFactory.create(user=user)
     return str(token.key)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 
 from board import transitions
@@ -32,9 +33,9 @@ WORKER = "worker-bee"
 live = pytest.mark.django_db(transaction=True)
 
 
-def token_of(user: Any) -> str:
+def token_of(user: User) -> str:
     """Return the API token of ``user`` (made on first use)."""
-    token: Any = TokenFactory.create(user=user)
+    token = TokenFactory.create(user=user)
     return str(token.key)
 
 
@@ -587,7 +588,7 @@ def test_submit_asks_for_no_attempt_limit_with_none_or_a_null(
 def test_tasks_lists_by_filter_as_json_lines_or_a_table(
     server: LiveServer, token: str, agent: Any
 ) -> None:
-    worker: Any = UserFactory.create(username=WORKER)
+    worker = UserFactory.create(username=WORKER)
     first = transitions.create(actor=agent, title="first", queue="q")
     second = transitions.create(actor=agent, title="second one", queue="q")
     transitions.create(actor=agent, title="elsewhere", queue="other")
