@@ -271,7 +271,9 @@ def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
         [message] = inbox
         assert message["Subject"] == f"[Taskboard] Task #{task.pk} escalated: resize in default"
         assert message["X-Envelope-To"] == "oncall@example.com, lead@example.com"
-        text = message.get_payload(decode=True).decode().replace("\r\n", "\n")
+        payload = message.get_payload(decode=True)
+        assert isinstance(payload, bytes)
+        text = payload.decode().replace("\r\n", "\n")
         assert "\nLast error:\n> needs a human\n" in text
         assert "\nReason:\n> needs a human\n" in text
         assert (

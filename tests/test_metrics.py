@@ -131,6 +131,7 @@ def test_it_counts_webhook_deliveries_by_result(
     for _ in range(3):
         escalate(make_task, agent)
     first, second = deliveries.claim_deliveries(limit=2, lease_seconds=30)
+    assert first.lease_token is not None and second.lease_token is not None
     deliveries.record_delivery(
         delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
     )

@@ -203,6 +203,7 @@ def test_connections_that_never_finish_their_headers_are_closed_but_streams_run_
 ) -> None:
     user = UserFactory.create(username="header-watcher")
     token = TokenFactory.create(user=user).key
+    assert token is not None
     server = serve_on_the_test_database(tmp_path, TASKBOARD_HEADER_TIMEOUT=str(HEADER_TIMEOUT))
     address = ("127.0.0.1", server.port)
     try:
