@@ -31,7 +31,7 @@ from tests.live import LiveServer, StreamCollector
 
 API = "/api/v1"
 
-HOLDER_ACTIONS = {
+HOLDER_ACTIONS: dict[str, dict[str, Any]] = {
     "heartbeat": {"lease_seconds": 300},
     "complete": {"result": {"answer": 42}},
     "fail": {"error": "it broke"},

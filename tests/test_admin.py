@@ -24,6 +24,7 @@ from django.urls import reverse
 
 from board import transitions
 from board.access import limit_queues
+from board.exceptions import InvalidTransition
 from board.models import EventType, QueuePause, QueueState, Task, TaskEvent, TaskStatus
 from board.notifications import deliveries
 from tests import factories
@@ -1283,7 +1284,7 @@ def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
 
     from django.db import transaction
 
-    from escalations.admin import CANCEL, REQUEUE
+    from escalations.triage import CANCEL, REQUEUE
 
     task = escalated()
     triage = {"requeue": REQUEUE, "cancel": CANCEL}[second]
@@ -1306,7 +1307,7 @@ def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
     waiting.join(timeout=10)
 
     [refused] = outcome
-    assert isinstance(refused, transitions.InvalidTransition), refused
+    assert isinstance(refused, InvalidTransition), refused
     expected = {"resolve": "resolved", "cancel": "cancelled", "requeue": "requeued"}[first]
     assert [kind for kind, _, _ in history(task.pk)][-1] == expected
 

@@ -55,7 +55,7 @@ TASK_FIELDS = {
 EVENT_FIELDS = {"id", "task_id", "type", "status", "actor", "payload", "created_at"}
 
 # What each lease-holder action needs in its body besides the lease_token.
-HOLDER_ACTIONS = {
+HOLDER_ACTIONS: dict[str, dict[str, Any]] = {
     "heartbeat": {"lease_seconds": 300, "progress": {"done": 1}},
     "complete": {"result": {"answer": 42}},
     "fail": {"error": "it broke"},
@@ -84,7 +84,7 @@ def assert_error(response: Any, status: int, code: str | None = None) -> dict[st
     """Assert the contract's error body: JSON with a string "error" and "detail"."""
     assert response.status_code == status, response.content
     assert response["Content-Type"].startswith("application/json"), response["Content-Type"]
-    body = json.loads(response.content)
+    body: dict[str, Any] = json.loads(response.content)
     assert isinstance(body.get("error"), str) and body["error"], body
     assert isinstance(body.get("detail"), str) and body["detail"], body
     if code is not None:
@@ -239,7 +239,7 @@ def test_it_creates_a_task_with_the_contract_defaults(agent_api: APIClient) -> N
 
 
 def test_it_creates_a_task_with_every_optional_field(agent_api: APIClient) -> None:
-    body = {
+    body: dict[str, Any] = {
         "title": "t" * 200,
         "description": "Fetch the page and summarise it.",
         "payload": {"url": "https://example.com", "nested": {"list": [1, 2.5, None, True]}},

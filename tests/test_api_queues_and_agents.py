@@ -125,7 +125,8 @@ def test_queues_come_in_pages_by_name_with_a_link_to_the_next(
     for name in ("c", "a", "e", "b", "d"):
         transitions.create(actor=agent, title="t", queue=name)
 
-    pages, url = [], f"{API}/queues/?limit=2"
+    pages: list[list[str]] = []
+    url: str | None = f"{API}/queues/?limit=2"
     while url:
         response = agent_api.get(url)
         assert response.status_code == 200, response.content

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,7 @@ def test_a_task_created_elsewhere_appears_on_the_board_as_the_server_has_it(
         base_url=f"{server.url}/api/v1",
         headers={"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"},
     )
-    later = (timezone.now() + timezone.timedelta(hours=1)).isoformat()
+    later = (timezone.now() + timedelta(hours=1)).isoformat()
 
     created = api.post("/tasks/", json={"title": "Nightly report", "run_after": later}).json()
 

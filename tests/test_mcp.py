@@ -134,8 +134,8 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
 
             assert {tool.name for tool in tools} == TOOLS
             assert init.instructions and "lease_lost" in init.instructions
-            for tool in tools:
-                assert tool.description, tool.name
+            for listed in tools:
+                assert listed.description, listed.name
             claim = next(tool for tool in tools if tool.name == "claim_task")
             assert "progress" in (claim.description or "")
 
@@ -179,12 +179,13 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
                 ), (tool, name)
             assert bounds("create_task", "run_after")["format"] == "date-time"
             assert bounds("create_task", "depends_on")["uniqueItems"] is True
-            for tool, arguments in [
+            out_of_bounds: list[tuple[str, dict[str, Any]]] = [
                 ("create_task", {"title": "x" * 201}),
                 ("create_task", {"title": "x", "queue": "Not A Queue"}),
                 ("list_tasks", {"status": "nonsense"}),
                 ("comment_task", {"task_id": 1, "body": ""}),
-            ]:
+            ]
+            for tool, arguments in out_of_bounds:
                 refused = await session.call_tool(tool, arguments)
                 assert refused.is_error, (tool, arguments)
 
@@ -320,13 +321,14 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:
             await session.initialize()
-            for tool, extra in [
+            holder_tools: list[tuple[str, dict[str, Any]]] = [
                 ("complete_task", {}),
                 ("fail_task", {"error": "no"}),
                 ("release_task", {}),
                 ("escalate_task", {"reason": "no"}),
                 ("report_progress", {"progress": 1}),
-            ]:
+            ]
+            for tool, extra in holder_tools:
                 for task_id, code in [
                     (999_999, "not_found: "),
                     (theirs.pk, "forbidden_queue: "),
@@ -807,7 +809,7 @@ def test_http_the_sdks_client_in_auto_mode_falls_back_to_a_session(
                 )
                 assert not claimed.is_error, text_of(claimed)
                 await anyio.sleep(3)  # past the lease: the session heartbeats it
-                task_id = created.structured_content["id"]  # type: ignore[index]
+                task_id = created.structured_content["id"]
                 done = await client.call_tool("complete_task", {"task_id": task_id})
                 assert not done.is_error, text_of(done)
         assert (await db(lambda: Task.objects.get(pk=task_id))).status == "done"

@@ -354,10 +354,10 @@ def test_a_forwarded_requests_client_address_cannot_be_forged(
 def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from board.api.authentication import authenticate as real
     from board.mcp import endpoint as mcp_endpoint
 
     lookups: list[str] = []
-    real = mcp_endpoint.authenticate
 
     def counted(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
         lookups.append(str(address))

@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from access import rates
 from access.models import WriteCount
+from board.exceptions import RateLimited
 from board.models import Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
@@ -153,7 +154,7 @@ def test_the_previous_minutes_writes_still_weigh_after_the_window_turns(
     # The previous window's 10 weigh 10 * left / 60: the room is what remains of the 10.
     room = int(10 - 10 * left / 60)
     spent = 0
-    with pytest.raises(rates.RateLimited) as refused:
+    with pytest.raises(RateLimited) as refused:
         for _ in range(11):
             rates.spend(agent, rates.Write.CREATE)
             spent += 1

@@ -18,6 +18,7 @@ import pytest
 from django.db import connection, transaction
 
 from board import transitions
+from board.access import EVERY_QUEUE
 from board.live import relay as relay_module
 from board.live import stream as stream_module
 from board.models import TaskEvent
@@ -63,7 +64,7 @@ def watcher() -> dict[str, str]:
     return {"Authorization": f"Bearer {token.key}"}
 
 
-def stream_url(server: LiveServer) -> str:
+def stream_url(server: LiveServer | ServeProcess) -> str:
     return f"{server.url}/api/v1/stream/"
 
 
@@ -341,8 +342,7 @@ def test_a_transaction_in_another_database_does_not_hold_the_stream_back(
 ) -> None:
     """Only this database's transactions can add events: a long write transaction in
     another database on the same server must not delay delivery."""
-    params = psycopg.conninfo.conninfo_to_dict(relay_module.django_conninfo())
-    with psycopg.connect(**{**params, "dbname": "postgres"}) as elsewhere:
+    with psycopg.connect(relay_module.django_conninfo(), dbname="postgres") as elsewhere:
         elsewhere.execute("SELECT pg_current_xact_id()")  # takes a transaction id, stays open
         with StreamCollector(stream_url(server), watcher) as stream:
             started = time.monotonic()
@@ -1099,7 +1099,7 @@ def test_events_held_back_when_the_last_listener_left_are_read_for_the_next_stre
         transitions.create(actor=agent, title="held back")
         time.sleep(0.5)  # read, and held back: the relay looks again every 50 ms
         held = relay.head
-        assert held < committed_cursor()
+        assert held is not None and held < committed_cursor()
 
         waiting["claims"] = False
         time.sleep(0.3)  # the relay sees nobody listens any more
@@ -1414,7 +1414,7 @@ def test_a_stream_answered_across_a_change_of_credentials_is_not_held(
                 None,
                 ("token", "digest"),
                 1,
-                stream_module.EVERY_QUEUE,
+                EVERY_QUEUE,
                 preamble=preamble,
                 generation=generation,
             )
@@ -1626,6 +1626,7 @@ def test_a_value_too_large_to_read_is_named_without_being_read(agent: Any) -> No
         background.run(relay.open_pool())
 
         async def read() -> list[relay_module.StreamEvent]:
+            assert relay.head is not None
             return [
                 event
                 async for page in relay.replay(relay_module.START, relay.head)
@@ -1640,10 +1641,10 @@ def test_a_value_too_large_to_read_is_named_without_being_read(agent: Any) -> No
         background.run(relay.stop())
         background.close()
 
-    assert [row["task_elided"] for row in rows if row["task_is_current"]] == [  # type: ignore[index]
+    assert [row["task_elided"] for row in rows if row["task_is_current"]] == [
         ["description", "payload"]
     ]
-    assert all(row["description"] is None for row in rows)  # type: ignore[index]
+    assert all(row["description"] is None for row in rows)
     [failed] = [event for event in sent if event["type"] == "failed"]
     # 9,000 characters of error: read (under 16 KiB), but not sent (over 8 KiB).
     assert (failed["payload"]["error"], failed["elided"]) == (None, ["error"])
@@ -1661,8 +1662,11 @@ def test_an_event_is_never_larger_than_64_kib_however_many_values_it_has(agent: 
         background.run(relay.open_pool())
 
         async def read() -> dict[str, Any]:
+            assert relay.head is not None
             async for page in relay.replay(relay_module.START, relay.head):
-                return dict(page[-1].source)  # type: ignore[arg-type]
+                source = page[-1].source
+                assert isinstance(source, dict)  # the row, as nothing asked for its SSE yet
+                return dict(source)
             raise AssertionError("no event")
 
         row = background.run(read())
@@ -1690,6 +1694,7 @@ def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the
         background.run(relay.start())
         background.run(relay.open_pool())
         start = relay.head
+        assert start is not None
         made = [
             transitions.create(actor=agent, title=f"t{n}", description="d" * 8000).id
             for n in range(60)
@@ -1713,8 +1718,8 @@ def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the
         assert held_bytes == summed <= 200_000
 
         async def replay(after: relay_module.Cursor) -> tuple[list[int], bool]:
-            in_memory = relay._from_buffer(after, relay.head) is not None
             assert relay.head is not None
+            in_memory = relay._from_buffer(after, relay.head) is not None
             ids = [e.task_id async for page in relay.replay(after, relay.head) for e in page]
             return ids, in_memory
 

@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -261,13 +262,14 @@ def test_the_attempt_deadline_holds_in_real_time_however_often_the_holder_heartb
         time.sleep(0.5)
     time.sleep(max(0.0, 2.1 - 1.5))
 
-    for action, extra in (
+    holder_actions: list[tuple[Callable[..., Task], dict[str, str]]] = [
         (transitions.heartbeat, {}),
         (transitions.complete, {}),
         (transitions.fail, {"error": "x"}),
         (transitions.release, {}),
         (transitions.escalate, {"reason": "x"}),
-    ):
+    ]
+    for action, extra in holder_actions:
         with pytest.raises(LeaseLost, match="attempt deadline passed"):
             action(task_id=task.pk, actor=agent, lease_token=claim.lease_token, **extra)
 
