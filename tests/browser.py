@@ -90,7 +90,7 @@ def page(new_page: Callable[[], Page]) -> Page:
 
 @pytest.fixture
 def person(fast_password_hashing: None) -> Any:
-    return UserFactory(username="pat", password=PASSWORD)
+    return UserFactory.create(username="pat", password=PASSWORD)
 
 
 def log_in(page: Page, user: Any) -> None:

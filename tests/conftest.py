@@ -2,14 +2,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
+from django.core.management.color import Style
 from django.db import connection
 from rest_framework.test import APIClient
 
+from board.models import Task
 from tests.factories import StaffFactory, TaskFactory, TokenFactory, UserFactory
 
 
@@ -143,8 +146,16 @@ def _flush_past_the_append_only_trigger() -> Iterator[None]:
     """
     original = connection.ops.sql_flush
 
-    def sql_flush(style: Any, tables: list[str], **kwargs: Any) -> list[str]:
-        statements = original(style, tables, **kwargs)
+    def sql_flush(
+        style: Style,
+        tables: Sequence[str],
+        *,
+        reset_sequences: bool = False,
+        allow_cascade: bool = False,
+    ) -> list[str]:
+        statements = original(
+            style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
+        )
         if "task_events" not in tables:
             return statements
         return [_event_log_triggers("DISABLE"), *statements, _event_log_triggers("ENABLE")]
@@ -155,37 +166,37 @@ def _flush_past_the_append_only_trigger() -> Iterator[None]:
 
 
 @pytest.fixture
-def agent(db: None) -> Any:
-    return UserFactory(username="agent-smith")
+def agent(db: None) -> User:
+    return UserFactory.create(username="agent-smith")
 
 
 @pytest.fixture
-def other_agent(db: None) -> Any:
-    return UserFactory(username="agent-jones")
+def other_agent(db: None) -> User:
+    return UserFactory.create(username="agent-jones")
 
 
 @pytest.fixture
-def staff(db: None) -> Any:
-    return StaffFactory(username="ops-alice")
+def staff(db: None) -> User:
+    return StaffFactory.create(username="ops-alice")
 
 
 @pytest.fixture
-def make_task(db: None, agent: Any) -> Callable[..., Any]:
-    def make(**kwargs: Any) -> Any:
+def make_task(db: None, agent: User) -> Callable[..., Task]:
+    def make(**kwargs: Any) -> Task:
         kwargs.setdefault("created_by", agent)
-        return TaskFactory(**kwargs)
+        return TaskFactory.create(**kwargs)
 
     return make
 
 
 @pytest.fixture
-def api() -> Callable[[Any], APIClient]:
+def api() -> Callable[[User | None], APIClient]:
     """Return a client authenticated as the given user with a Bearer token."""
 
-    def client_for(user: Any | None) -> APIClient:
+    def client_for(user: User | None) -> APIClient:
         client = APIClient()
         if user is not None:
-            token = TokenFactory(user=user)
+            token = TokenFactory.create(user=user)
             client.credentials(HTTP_AUTHORIZATION=f"Bearer {token.key}")
         return client
 
@@ -193,7 +204,7 @@ def api() -> Callable[[Any], APIClient]:
 
 
 @pytest.fixture
-def agent_api(api: Callable[[Any], APIClient], agent: Any) -> APIClient:
+def agent_api(api: Callable[[User | None], APIClient], agent: User) -> APIClient:
     """The API as the agent ``agent``."""
     return api(agent)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import factory
-from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission
+from django.contrib.auth.models import Permission, User
+from factory.base import Factory
+from factory.declarations import LazyFunction, Sequence, SubFactory
+from factory.django import DjangoModelFactory, Password
 
 from access import tokens
 from access.models import ApiToken
@@ -15,21 +16,21 @@ from board import transitions
 from board.models import Task
 
 
-class UserFactory(factory.django.DjangoModelFactory):
+class UserFactory(DjangoModelFactory[User]):
     class Meta:
-        model = get_user_model()
+        model = User
         django_get_or_create = ("username",)
 
-    username = factory.Sequence(lambda n: f"agent-{n}")
-    password = factory.django.Password("secret-password")
+    username = Sequence(lambda n: f"agent-{n}")
+    password = Password("secret-password")
 
 
 class StaffFactory(UserFactory):
-    username = factory.Sequence(lambda n: f"human-{n}")
+    username = Sequence(lambda n: f"human-{n}")
     is_staff = True
 
 
-def grant(user: Any, *permissions: str) -> Any:
+def grant(user: User, *permissions: str) -> User:
     """Give ``user`` each of ``permissions`` ("app_label.codename"); return the user."""
     for name in permissions:
         app_label, codename = name.split(".")
@@ -46,7 +47,7 @@ def grant(user: Any, *permissions: str) -> Any:
 _issued: dict[str, str] = {}
 
 
-class TokenFactory(factory.django.DjangoModelFactory):
+class TokenFactory(DjangoModelFactory[ApiToken]):
     """Return the user's API token, issuing one if it has none, with its plain ``.key``.
 
     One token per user, as before tokens were hashed: a second call for the same user
@@ -56,10 +57,12 @@ class TokenFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = ApiToken
 
-    user = factory.SubFactory(UserFactory)
+    user = SubFactory(UserFactory)
 
     @classmethod
-    def _create(cls, model_class: type[ApiToken], *args: Any, user: Any, **kwargs: Any) -> Any:
+    def _create(
+        cls, model_class: type[ApiToken], *args: Any, user: User, **kwargs: Any
+    ) -> ApiToken:
         existing = ApiToken.objects.filter(user=user).first()
         if existing is not None and existing.digest in _issued:
             existing.key = _issued[existing.digest]
@@ -69,19 +72,19 @@ class TokenFactory(factory.django.DjangoModelFactory):
         return token
 
 
-class TaskFactory(factory.Factory):
+class TaskFactory(Factory[Task]):
     """Build a pending task via transitions.create (pass created_by=<user> to choose)."""
 
     class Meta:
         model = Task
 
-    title = factory.Sequence(lambda n: f"task {n}")
+    title = Sequence(lambda n: f"task {n}")
     description = ""
-    payload = factory.LazyFunction(dict)
+    payload = LazyFunction(dict)
     queue = "default"
     priority = 0
-    created_by = factory.SubFactory(UserFactory)
+    created_by = SubFactory(UserFactory)
 
     @classmethod
-    def _create(cls, model_class: type[Task], *args: Any, created_by: Any, **kwargs: Any) -> Task:
+    def _create(cls, model_class: type[Task], *args: Any, created_by: User, **kwargs: Any) -> Task:
         return transitions.create(actor=created_by, **kwargs)

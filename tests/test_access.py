@@ -31,7 +31,7 @@ from tests.live import LiveServer, StreamCollector
 
 API = "/api/v1"
 
-HOLDER_ACTIONS = {
+HOLDER_ACTIONS: dict[str, dict[str, Any]] = {
     "heartbeat": {"lease_seconds": 300},
     "complete": {"result": {"answer": 42}},
     "fail": {"error": "it broke"},
@@ -66,7 +66,7 @@ def history(task_id: int) -> list[tuple[str, str]]:
 
 @pytest.fixture
 def limited(db: None) -> Any:
-    user = UserFactory(username="agent-limited")
+    user = UserFactory.create(username="agent-limited")
     limit_queues(user, ["mine", "ours"])
     return user
 
@@ -109,7 +109,7 @@ def test_a_user_without_a_limit_may_use_every_queue(agent: Any) -> None:
 
 
 def test_a_limited_user_claims_from_its_own_queues_when_it_names_none(limited: Any) -> None:
-    access = queue_access(UserFactory(username=limited.username))  # a fresh object: a query
+    access = queue_access(UserFactory.create(username=limited.username))  # a fresh object: a query
 
     assert access == QueueAccess(frozenset({"mine", "ours"}))
     assert access.claim_queues([]) == ["mine", "ours"]
@@ -118,7 +118,7 @@ def test_a_limited_user_claims_from_its_own_queues_when_it_names_none(limited: A
 def test_lifting_a_limit_gives_every_queue_again(limited: Any) -> None:
     limit_queues(limited, None)
 
-    assert queue_access(UserFactory(username=limited.username)) == EVERY_QUEUE
+    assert queue_access(UserFactory.create(username=limited.username)) == EVERY_QUEUE
 
 
 def test_an_agents_limit_costs_no_query_while_its_token_is_cached(
@@ -139,7 +139,7 @@ def test_a_changed_limit_applies_once_the_token_is_looked_up_again(
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
     assert [t["id"] for t in get(limited_api, "tasks/").json()["results"]] == [mine.pk]
 
-    limit_queues(UserFactory(username=limited.username), ["theirs"])
+    limit_queues(UserFactory.create(username=limited.username), ["theirs"])
 
     assert [t["id"] for t in get(limited_api, "tasks/").json()["results"]] == [theirs.pk]
 
@@ -249,7 +249,7 @@ def test_limited_staff_may_not_triage_a_task_of_another_queue(
 ) -> None:
     escalate(theirs, agent)
     before = history(theirs.pk)
-    triager = grant(StaffFactory(username="ops-limited"), "escalations.triage_task")
+    triager = grant(StaffFactory.create(username="ops-limited"), "escalations.triage_task")
     limit_queues(triager, ["mine"])
 
     response = post(api(triager), f"tasks/{theirs.pk}/{action}/", STAFF_ACTIONS[action])
@@ -262,7 +262,7 @@ def test_limited_staff_triage_their_own_queues(
     api: Callable[[Any], APIClient], mine: Any, agent: Any
 ) -> None:
     escalate(mine, agent)
-    triager = grant(StaffFactory(username="ops-limited"), "escalations.triage_task")
+    triager = grant(StaffFactory.create(username="ops-limited"), "escalations.triage_task")
     limit_queues(triager, ["mine"])
 
     response = post(api(triager), f"tasks/{mine.pk}/requeue/", {})
@@ -411,7 +411,7 @@ def test_staff_set_and_lift_a_limit_on_the_users_admin_page(
     assert after_change == ["audio", "video"]
     assert refused.status_code == 200  # the form again, with the error
     assert lifted.status_code == 302
-    assert queue_access(UserFactory(username=limited.username)) == EVERY_QUEUE
+    assert queue_access(UserFactory.create(username=limited.username)) == EVERY_QUEUE
 
 
 def test_the_user_list_shows_each_users_queues(admin_client: Client, limited: Any) -> None:
@@ -427,7 +427,7 @@ live = pytest.mark.django_db(transaction=True)
 
 
 def headers_of(user: Any) -> dict[str, str]:
-    return {"Authorization": f"Bearer {TokenFactory(user=user).key}"}
+    return {"Authorization": f"Bearer {TokenFactory.create(user=user).key}"}
 
 
 def make_history(agent: Any, queue: str, title: str) -> list[int]:
@@ -562,7 +562,9 @@ def test_a_limited_waiter_does_not_take_the_wake_up_of_a_claim_that_may_have_the
     # The limited claim waits first, so it is first in line for every queue it waits for.
     limited_claim = claim_in_background(server, headers_of(limited), wait=30)
     settle()
-    other_claim = claim_in_background(server, headers_of(UserFactory(username="free")), wait=30)
+    other_claim = claim_in_background(
+        server, headers_of(UserFactory.create(username="free")), wait=30
+    )
     settle()
 
     created_at = time.monotonic()
@@ -599,7 +601,7 @@ def test_a_permission_given_or_taken_applies_at_once(
     from django.contrib.auth.models import Group, Permission
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 60
-    human = StaffFactory(username="ops-promoted")
+    human = StaffFactory.create(username="ops-promoted")
     headers = headers_of(human)
     triage = Permission.objects.get(codename="triage_task")
 

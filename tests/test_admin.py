@@ -24,6 +24,7 @@ from django.urls import reverse
 
 from board import transitions
 from board.access import limit_queues
+from board.exceptions import InvalidTransition
 from board.models import EventType, QueuePause, QueueState, Task, TaskEvent, TaskStatus
 from board.notifications import deliveries
 from tests import factories
@@ -121,7 +122,7 @@ def triager_client(triager: Any) -> Client:
 @pytest.fixture
 def watcher(db: None) -> Any:
     """A staff member who may view the queue but not triage it."""
-    return grant(StaffFactory(username="ops-bob"), "view_escalatedtask")
+    return grant(StaffFactory.create(username="ops-bob"), "view_escalatedtask")
 
 
 # -- The queue --------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def test_an_action_on_a_selection_that_is_not_of_keys_is_refused_with_a_message(
 ) -> None:
     task = escalated()
     url = reverse(f"admin:{changelist}_changelist")
-    admin_client = logged_in(factories.StaffFactory(username="root", is_superuser=True))
+    admin_client = logged_in(factories.StaffFactory.create(username="root", is_superuser=True))
 
     response = admin_client.post(
         url, {"action": action, "_selected_action": [selected], "confirm": "1", "post": "yes"}
@@ -691,7 +692,7 @@ def test_a_forged_action_or_button_from_staff_without_the_triage_permission_does
 
 
 def test_staff_without_any_permission_cannot_see_the_queue(db: None) -> None:
-    client = logged_in(StaffFactory(username="ops-carol"))
+    client = logged_in(StaffFactory.create(username="ops-carol"))
 
     assert client.get(QUEUE_URL).status_code == 403
 
@@ -737,7 +738,7 @@ def test_the_event_list_filters_by_type_and_searches_the_actor(
     admin_client: Client, escalated: Callable[..., Task]
 ) -> None:
     task = escalated()
-    UserFactory(username="someone-else")
+    UserFactory.create(username="someone-else")
 
     by_type = admin_client.get(reverse("admin:board_taskevent_changelist"), {"type": "failed"})
     by_actor = admin_client.get(reverse("admin:board_taskevent_changelist"), {"q": "smith"})
@@ -1006,11 +1007,11 @@ def test_commenting_in_the_admin_is_a_post_for_staff_who_may_see_the_task(
     not_staff = logged_in(agent).post(comment_url(task.pk), {"body": "hi"})
     assert not_staff.status_code == 302
     assert not_staff["Location"].startswith(reverse("admin:login"))
-    no_view = logged_in(StaffFactory(username="ops-carol")).post(
+    no_view = logged_in(StaffFactory.create(username="ops-carol")).post(
         comment_url(task.pk), {"body": "x"}
     )
     assert no_view.status_code == 403
-    limited = grant(StaffFactory(username="ops-dan"), "view_escalatedtask")
+    limited = grant(StaffFactory.create(username="ops-dan"), "view_escalatedtask")
     limit_queues(limited, ["theirs"])
     elsewhere = logged_in(limited).post(comment_url(task.pk), {"body": "hi"})
     assert elsewhere.status_code == 302
@@ -1090,7 +1091,7 @@ def test_staff_without_the_triage_permission_pause_queues_as_in_the_api(
 ) -> None:
     transitions.resume_queue(queue="mail", actor=staff)
     viewer = factories.grant(
-        StaffFactory(username="ops-bob"), "board.view_queuestate", "board.view_queuepause"
+        StaffFactory.create(username="ops-bob"), "board.view_queuestate", "board.view_queuepause"
     )
     client = logged_in(viewer)
 
@@ -1283,7 +1284,7 @@ def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
 
     from django.db import transaction
 
-    from escalations.admin import CANCEL, REQUEUE
+    from escalations.triage import CANCEL, REQUEUE
 
     task = escalated()
     triage = {"requeue": REQUEUE, "cancel": CANCEL}[second]
@@ -1306,7 +1307,7 @@ def test_a_queue_action_that_waited_for_another_humans_does_not_undo_it(
     waiting.join(timeout=10)
 
     [refused] = outcome
-    assert isinstance(refused, transitions.InvalidTransition), refused
+    assert isinstance(refused, InvalidTransition), refused
     expected = {"resolve": "resolved", "cancel": "cancelled", "requeue": "requeued"}[first]
     assert [kind for kind, _, _ in history(task.pk)][-1] == expected
 

@@ -180,7 +180,7 @@ def test_a_server_command_on_the_agent_install_is_refused_in_one_line(
 def test_the_agent_commands_work_tasks_from_the_agent_install(
     agent_bin: Path, agent_machine: Path, server: LiveServer
 ) -> None:
-    made: Any = TokenFactory(user=UserFactory(username="installed-agent"))
+    made = TokenFactory.create(user=UserFactory.create(username="installed-agent"))
     token = str(made.key)
     env = agent_env(TASKBOARD_URL=server.url, TASKBOARD_TOKEN=token, PYTHONUNBUFFERED="1")
 

@@ -60,7 +60,7 @@ TASK_FIELDS = {
 EVENT_FIELDS = {"id", "task_id", "type", "status", "actor", "payload", "created_at"}
 
 # What each lease-holder action needs in its body besides the lease_token.
-HOLDER_ACTIONS = {
+HOLDER_ACTIONS: dict[str, dict[str, Any]] = {
     "heartbeat": {"lease_seconds": 300, "progress": {"done": 1}},
     "complete": {"result": {"answer": 42}},
     "fail": {"error": "it broke"},
@@ -89,7 +89,7 @@ def assert_error(response: Any, status: int, code: str | None = None) -> dict[st
     """Assert the contract's error body: JSON with a string "error" and "detail"."""
     assert response.status_code == status, response.content
     assert response["Content-Type"].startswith("application/json"), response["Content-Type"]
-    body = json.loads(response.content)
+    body: dict[str, Any] = json.loads(response.content)
     assert isinstance(body.get("error"), str) and body["error"], body
     assert isinstance(body.get("detail"), str) and body["detail"], body
     if code is not None:
@@ -248,7 +248,7 @@ def test_it_creates_a_task_with_the_contract_defaults(agent_api: APIClient) -> N
 
 
 def test_it_creates_a_task_with_every_optional_field(agent_api: APIClient) -> None:
-    body = {
+    body: dict[str, Any] = {
         "title": "t" * 200,
         "description": "Fetch the page and summarise it.",
         "payload": {"url": "https://example.com", "nested": {"list": [1, 2.5, None, True]}},
@@ -388,7 +388,7 @@ UNSTORABLE_JSON = [
 @pytest.mark.parametrize("body", UNSTORABLE_JSON)
 def test_it_refuses_json_that_the_database_cannot_store_with_400(body: str, agent: Any) -> None:
     client = APIClient(raise_request_exception=False)
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory(user=agent).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory.create(user=agent).key}")
 
     response = client.post(f"{API}/tasks/", data=body, content_type="application/json")
 
@@ -401,7 +401,7 @@ def test_complete_refuses_a_result_the_database_cannot_store_with_400(
 ) -> None:
     task_id, token = held
     client = APIClient(raise_request_exception=False)
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory(user=agent).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory.create(user=agent).key}")
 
     response = client.post(
         f"{API}/tasks/{task_id}/complete/",
@@ -442,7 +442,7 @@ def test_an_unexpected_error_in_a_view_is_a_json_500(
 
     monkeypatch.setattr(transitions, "create_once", broken)
     client = APIClient(raise_request_exception=False)
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory(user=agent).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TokenFactory.create(user=agent).key}")
 
     response = post(client, "tasks/", {"title": "boom"})
 
@@ -601,7 +601,7 @@ def test_it_refuses_a_bad_token_with_401_and_www_authenticate(
 @pytest.mark.parametrize("keyword", ["Bearer", "Token"])
 def test_it_accepts_a_token_as_bearer_or_token(agent: Any, keyword: str) -> None:
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"{keyword} {TokenFactory(user=agent).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"{keyword} {TokenFactory.create(user=agent).key}")
 
     response = post(client, "tasks/", {"title": "hello"})
 
@@ -659,7 +659,7 @@ def test_staff_without_the_triage_permission_may_not_use_a_staff_action(
     task_id = escalated_task(make_task, agent_api)
     before = history(task_id)
     # Staff, as in the admin, where this user is refused the escalation queue's actions.
-    untrusted = api(StaffFactory(username="ops-bob"))
+    untrusted = api(StaffFactory.create(username="ops-bob"))
 
     response = post(untrusted, f"tasks/{task_id}/{action}/", STAFF_ACTIONS[action])
 
@@ -677,7 +677,7 @@ def test_a_superuser_may_use_every_staff_action(
     action: str,
 ) -> None:
     task_id = escalated_task(make_task, agent_api)
-    root = UserFactory(username="root", is_staff=True, is_superuser=True)
+    root = UserFactory.create(username="root", is_staff=True, is_superuser=True)
 
     response = post(api(root), f"tasks/{task_id}/{action}/", STAFF_ACTIONS[action])
 
@@ -690,7 +690,7 @@ def test_a_non_staff_user_with_the_triage_permission_may_not_use_a_staff_action(
 ) -> None:
     # The admin needs is_staff as well: so does the API.
     task_id = escalated_task(make_task, agent_api)
-    outsider = grant(UserFactory(username="outsider"), "escalations.triage_task")
+    outsider = grant(UserFactory.create(username="outsider"), "escalations.triage_task")
 
     response = post(api(outsider), f"tasks/{task_id}/requeue/", {})
 
@@ -1516,7 +1516,7 @@ def test_a_large_declared_content_length_is_refused_with_413_before_reading(
 
 @pytest.fixture
 def bearer(agent: Any) -> dict[str, str]:
-    return {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    return {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
 
 
 def chunks_of(body: bytes, size: int = 64 * 1024) -> Iterator[bytes]:

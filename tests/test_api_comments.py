@@ -70,7 +70,7 @@ def test_comments_on_a_missing_or_hidden_task_are_refused(
 ) -> None:
     assert_error(post(agent_api, "tasks/999999/comments/", {"body": "hi"}), 404, "not_found")
     hidden = create(agent_api, queue="secret")
-    limited = UserFactory(username="agent-limited")
+    limited = UserFactory.create(username="agent-limited")
     limit_queues(limited, ["mine"])
     response = post(api(limited), f"tasks/{hidden['id']}/comments/", {"body": "hi"})
     assert response.status_code in (403, 404)

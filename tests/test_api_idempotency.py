@@ -60,7 +60,7 @@ def test_an_idempotency_key_is_1_to_255_visible_ascii_characters(
 
 @pytest.mark.django_db(transaction=True)
 def test_racing_identical_requests_over_http_create_one_task(server: LiveServer) -> None:
-    token = TokenFactory(user=UserFactory(username="racer"))
+    token = TokenFactory.create(user=UserFactory.create(username="racer"))
     headers = {"Authorization": f"Bearer {token.key}", "Idempotency-Key": "race-1"}
     barrier = threading.Barrier(8)
     answers: list[httpx.Response] = []

@@ -126,7 +126,8 @@ def test_queues_come_in_pages_by_name_with_a_link_to_the_next(
     for name in ("c", "a", "e", "b", "d"):
         transitions.create(actor=agent, title="t", queue=name)
 
-    pages, url = [], f"{API}/queues/?limit=2"
+    pages: list[list[str]] = []
+    url: str | None = f"{API}/queues/?limit=2"
     while url:
         response = agent_api.get(url)
         assert response.status_code == 200, response.content
@@ -163,7 +164,7 @@ def test_a_limited_agent_sees_only_its_queues(
 ) -> None:
     create(agent_api, queue="mine")
     create(agent_api, queue="secret")
-    limited = UserFactory(username="agent-limited")
+    limited = UserFactory.create(username="agent-limited")
     limit_queues(limited, ["mine"])
     assert [q["name"] for q in get(api(limited), "queues/").json()] == ["mine"]
 
@@ -203,7 +204,7 @@ def test_agents_lists_who_holds_what_and_how_their_leases_ended(
         f"tasks/{theirs['id']}/fail/",
         {"lease_token": theirs["lease_token"], "error": "no"},
     )
-    StaffFactory(username="never-claimed")
+    StaffFactory.create(username="never-claimed")
 
     agents = {a["name"]: a for a in get(agent_api, "agents/").json()}
 
@@ -305,7 +306,7 @@ def test_a_limited_agent_sees_only_itself_among_the_agents(
 ) -> None:
     create(agent_api, queue="secret")
     claim(agent_api)
-    limited = UserFactory(username="agent-limited")
+    limited = UserFactory.create(username="agent-limited")
     limit_queues(limited, ["mine"])
     client = api(limited)
     assert get(client, "agents/").json() == []

@@ -95,7 +95,7 @@ def test_a_limited_agent_cannot_depend_on_or_split_tasks_it_cannot_see(
     api: Callable[[Any], APIClient], agent_api: APIClient
 ) -> None:
     hidden = create(agent_api, queue="secret")["id"]
-    limited = UserFactory(username="agent-limited")
+    limited = UserFactory.create(username="agent-limited")
     limit_queues(limited, ["mine"])
     client = api(limited)
 

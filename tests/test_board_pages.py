@@ -67,7 +67,7 @@ def state_of(html: str) -> dict[str, Any]:
 
 @pytest.fixture
 def person(fast_password_hashing: None) -> Any:
-    return UserFactory(username="pat")
+    return UserFactory.create(username="pat")
 
 
 @pytest.fixture
@@ -222,7 +222,7 @@ def test_the_resume_id_is_the_last_event_committed_before_the_page_was_drawn(
     fast_password_hashing: None, agent: Any
 ) -> None:
     client = Client()
-    client.force_login(UserFactory(username="pat"))
+    client.force_login(UserFactory.create(username="pat"))
     assert state_of(client.get("/").content.decode())["resume_id"] == 0, "an empty log"
     transitions.create(actor=agent, title="one")
     latest = transitions.create(actor=agent, title="two")
@@ -241,7 +241,7 @@ def test_events_the_page_shows_but_the_stream_will_send_again_are_listed_to_skip
     """An open transaction holds the stream's stable prefix back: an event committed after
     it began is on the page, and the stream (resumed before it) will deliver it again."""
     client = Client()
-    client.force_login(UserFactory(username="pat"))
+    client.force_login(UserFactory.create(username="pat"))
     before = transitions.create(actor=agent, title="before")
     inserted, release = threading.Event(), threading.Event()
 
@@ -520,7 +520,7 @@ def numbers(row: str) -> dict[str, int]:
 @pytest.fixture
 def pauser(db: None) -> Any:
     """Staff, who may pause and resume queues."""
-    return StaffFactory(username="ops-pat")
+    return StaffFactory.create(username="ops-pat")
 
 
 def logged_in(user: Any) -> Client:
@@ -629,7 +629,7 @@ def test_only_staff_pause_or_resume_a_queue(
     if verb == "resume":
         transitions.pause_queue(queue="mail", actor=pauser)
     before = list(QueuePause.objects.values_list("id", flat=True))
-    user = UserFactory(username="pat")
+    user = UserFactory.create(username="pat")
 
     response = logged_in(user).post(f"/queues/mail/{verb}/", {"note": "let me"})
 
@@ -717,7 +717,7 @@ def test_the_task_page_shows_the_parent_children_with_progress_dependencies_and_
     [claim] = transitions.claim(actor=agent)  # "plan"
     child = transitions.create(actor=agent, title="part one", parent_id=plan.id)
     other_child = transitions.create(actor=agent, title="part two", parent_id=plan.id)
-    [child_claim] = transitions.claim(actor=UserFactory(username="agent-kim"))
+    [child_claim] = transitions.claim(actor=UserFactory.create(username="agent-kim"))
     assert child_claim.task.pk == child.pk
     transitions.heartbeat(
         task_id=child.pk,
@@ -788,7 +788,7 @@ def test_a_dependency_in_a_queue_the_user_cannot_see_is_shown_by_id_only(
 ) -> None:
     secret = make_task(title="secret thing", queue="theirs")
     ours = make_task(title="ours", queue="ours", depends_on=[secret.id])
-    user = UserFactory(username="pat")
+    user = UserFactory.create(username="pat")
     limit_queues(user, ["ours"])
 
     html = logged_in(user).get(f"/tasks/{ours.id}/").content.decode()
@@ -860,7 +860,7 @@ def test_a_comment_too_long_is_refused_and_kept_in_the_form(
 def test_commenting_needs_the_csrf_token_and_a_login(make_task: Callable[..., Task]) -> None:
     task = make_task()
     guarded = Client(enforce_csrf_checks=True)
-    guarded.force_login(UserFactory(username="pat"))
+    guarded.force_login(UserFactory.create(username="pat"))
 
     assert guarded.post(f"/tasks/{task.id}/comments/", {"body": "hi"}).status_code == 403
     anonymous = Client().post(f"/tasks/{task.id}/comments/", {"body": "hi"})
@@ -873,7 +873,7 @@ def test_a_user_cannot_comment_on_a_task_of_a_queue_it_may_not_see(
     make_task: Callable[..., Task],
 ) -> None:
     theirs = make_task(queue="theirs")
-    user = UserFactory(username="pat")
+    user = UserFactory.create(username="pat")
     limit_queues(user, ["ours"])
 
     response = logged_in(user).post(f"/tasks/{theirs.id}/comments/", {"body": "hi"})
@@ -903,7 +903,7 @@ def escalated_task(make_task: Callable[..., Task], agent: Any) -> Task:
 
 @pytest.fixture
 def triager(db: None) -> Any:
-    return grant(StaffFactory(username="ops-alice"), "escalations.triage_task")
+    return grant(StaffFactory.create(username="ops-alice"), "escalations.triage_task")
 
 
 def triage_panel(html: str) -> str:
@@ -1100,7 +1100,7 @@ def test_the_panels_answer_the_board_reads_again_is_for_people_logged_in(
     client: Client, browser: Client, make_task: Callable[..., Task], agent: Any
 ) -> None:
     make_task(queue="mail")
-    limited = UserFactory(username="limited")
+    limited = UserFactory.create(username="limited")
     limit_queues(limited, ["images"])
     make_task(queue="images")
 
@@ -1168,7 +1168,7 @@ def test_an_events_own_page_is_for_those_who_may_see_its_task(
     task = make_task(queue="theirs")
     comments_on(task, agent, 1, 20)
     event = TaskEvent.objects.filter(task=task).latest("id")
-    limited = UserFactory(username="limited")
+    limited = UserFactory.create(username="limited")
     limit_queues(limited, ["ours"])
     other = make_task(queue="ours")
 

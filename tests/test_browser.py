@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def test_the_board_shows_a_task_an_agent_claims_as_it_happens_without_a_reload(
     page.evaluate("window.boardMarker = 'the same page'")
     api = httpx.Client(
         base_url=f"{server.url}/api/v1",
-        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+        headers={"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"},
     )
 
     created = api.post("/tasks/", json={"title": "Resize images", "queue": "images"}).json()
@@ -195,9 +196,9 @@ def test_a_task_created_elsewhere_appears_on_the_board_as_the_server_has_it(
     wait_until_live(page)
     api = httpx.Client(
         base_url=f"{server.url}/api/v1",
-        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+        headers={"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"},
     )
-    later = (timezone.now() + timezone.timedelta(hours=1)).isoformat()
+    later = (timezone.now() + timedelta(hours=1)).isoformat()
 
     created = api.post("/tasks/", json={"title": "Nightly report", "run_after": later}).json()
 
@@ -463,7 +464,7 @@ def test_a_dependency_chain_completes_live_on_the_board(
     page.on("framenavigated", lambda frame: navigations.append(frame.url))
     api = httpx.Client(
         base_url=f"{server.url}/api/v1",
-        headers={"Authorization": f"Bearer {TokenFactory(user=agent).key}"},
+        headers={"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"},
     )
     a = api.post("/tasks/", json={"title": "Fetch the data", "queue": "plan"}).json()
     b = api.post(

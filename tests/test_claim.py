@@ -96,7 +96,7 @@ def test_concurrent_claimers_get_every_task_exactly_once(
     make_task: Callable[..., Task],
 ) -> None:
     tasks = [make_task(priority=i % 7, queue=f"q{i % 3}") for i in range(150)]
-    agents = [UserFactory(username=f"racer-{i}") for i in range(16)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(16)]
 
     def claim_until_empty(index: int) -> list[tuple[int, str]]:
         got: list[tuple[int, str]] = []
@@ -111,7 +111,8 @@ def test_concurrent_claimers_get_every_task_exactly_once(
     tokens = [token for got in results for _, token in got]
     assert len(set(tokens)) == len(tokens)
     assert not Task.objects.exclude(status=TaskStatus.IN_PROGRESS).exists()
-    holders = dict(Task.objects.values_list("id", "leased_by"))
+    # Through the username: django-stubs types a to_field foreign key's values as ints.
+    holders = dict(Task.objects.values_list("id", "leased_by__username"))
     for index, got in enumerate(results):
         assert all(holders[task_id] == f"racer-{index}" for task_id, _ in got)
     claimed_events = Counter(
@@ -148,7 +149,7 @@ def test_concurrent_claims_of_one_expired_lease_record_its_expiry_once(
     task = make_task()
     transitions.claim(actor=agent)
     expire(task.pk)
-    agents = [UserFactory(username=f"racer-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(8)]
 
     results = in_threads(8, lambda i: transitions.claim(actor=agents[i]))
 
@@ -199,6 +200,7 @@ def test_an_expired_lease_is_reclaimed_and_its_expiry_recorded(
         "max_failures",
     }
     claimed = TaskEvent.objects.filter(task_id=task.pk, type="claimed").last()
+    assert claimed is not None
     assert claimed.payload["failure_count"] == 1
 
 
@@ -268,6 +270,7 @@ def test_the_third_expired_lease_escalates_and_the_claim_goes_on_to_the_next_tas
         ("escalated", "escalated", "system"),
     ]
     escalated = TaskEvent.objects.filter(task_id=doomed.pk).last()
+    assert escalated is not None
     assert escalated.payload == {"reason": "lease expired 3 of 3 times", "failure_count": 3}
     # Its events come before the next task's claim, in the same claim.
     last_claim = TaskEvent.objects.get(task_id=next_best.pk, type="claimed")
@@ -359,6 +362,7 @@ def test_a_task_failed_with_retry_after_is_claimable_only_once_that_time_has_pas
     )
     assert transitions.claim(actor=agent) == []
 
+    assert failed.run_after is not None
     assert (failed.run_after - failed.updated_at).total_seconds() == 1
     time.sleep(1.2)
     (again,) = transitions.claim(actor=agent)
@@ -374,8 +378,8 @@ def test_leases_in_flight_are_kept_apart_under_concurrent_heartbeats_and_claims(
     # take a live lease, and every heartbeat of a live lease succeeds.
     for _ in range(8):
         make_task()
-    holders = [UserFactory(username=f"holder-{i}") for i in range(8)]
-    claimers = [UserFactory(username=f"claimer-{i}") for i in range(8)]
+    holders = [UserFactory.create(username=f"holder-{i}") for i in range(8)]
+    claimers = [UserFactory.create(username=f"claimer-{i}") for i in range(8)]
     leases = [transitions.claim(actor=holder, lease_seconds=60)[0] for holder in holders]
 
     def work(index: int) -> int:
@@ -392,7 +396,7 @@ def test_leases_in_flight_are_kept_apart_under_concurrent_heartbeats_and_claims(
 
     assert results[:8] == [10] * 8
     assert results[8:] == [0] * 8
-    assert sorted(Task.objects.values_list("leased_by", flat=True)) == sorted(
+    assert sorted(Task.objects.values_list("leased_by__username", flat=True)) == sorted(
         h.username for h in holders
     )
     assert not TaskEvent.objects.filter(type="expired").exists()
@@ -403,7 +407,7 @@ def test_lease_tokens_are_unique_across_concurrent_claims(
 ) -> None:
     for _ in range(40):
         make_task()
-    agents = [UserFactory(username=f"racer-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"racer-{i}") for i in range(8)]
 
     results = in_threads(8, lambda i: transitions.claim(actor=agents[i], limit=5))
 

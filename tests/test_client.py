@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 
 import taskboard_agent.client as client_module
@@ -51,9 +52,9 @@ pytestmark = pytest.mark.once
 live = pytest.mark.django_db(transaction=True)
 
 
-def token_of(user: Any) -> str:
+def token_of(user: User) -> str:
     """Return the API token of ``user`` (made on first use)."""
-    token: Any = TokenFactory(user=user)
+    token = TokenFactory.create(user=user)
     return str(token.key)
 
 
@@ -245,7 +246,7 @@ def test_staff_requeue_resolve_and_cancel_and_agents_may_not(
 def test_a_limited_agent_gets_forbidden_queue_a_permission_denied_with_that_code(
     server: LiveServer, fast_password_hashing: None
 ) -> None:
-    agent = UserFactory(username="images-only")
+    agent = UserFactory.create(username="images-only")
     limit_queues(agent, ["images"])
 
     with Client(server.url, token_of(agent)) as limited:

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import IntegrityError, connection, transaction
 
@@ -54,7 +55,9 @@ def test_the_event_log_refuses_raw_sql_that_changes_it(
     with pytest.raises(IntegrityError) as refused, transaction.atomic():
         run_sql(sql, {"id": event.pk})
 
-    assert refused.value.__cause__.diag.constraint_name == "task_events_append_only"
+    cause = refused.value.__cause__
+    assert isinstance(cause, psycopg.Error)
+    assert cause.diag.constraint_name == "task_events_append_only"
     assert "append-only" in str(refused.value)
     stored = TaskEvent.objects.get(pk=event.pk)
     assert (stored.actor, stored.type, stored.payload) == (event.actor, event.type, event.payload)
@@ -84,6 +87,7 @@ def test_the_event_log_refuses_changes_through_the_orm(make_task: Callable[..., 
     with pytest.raises(IntegrityError), transaction.atomic():
         TaskEvent.objects.all().delete()
     event = TaskEvent.objects.first()
+    assert event is not None
     event.actor = "mallory"
     with pytest.raises(IntegrityError), transaction.atomic():
         event.save()
@@ -334,7 +338,7 @@ def claim_sql(queues: list[str] | None, limit: int = 1) -> str:
 
 def claim_plan(*, queues: list[str] | None) -> str:
     """EXPLAIN the claim statement with the parameters board.transitions.claim passes."""
-    params = {
+    params: dict[str, str | int | list[str]] = {
         "actor": "agent-smith",
         "queues": list(queues or []),
         "lease_seconds": 120,

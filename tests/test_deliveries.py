@@ -271,7 +271,9 @@ def test_an_escalation_is_emailed_with_its_last_error_and_a_link(
         [message] = inbox
         assert message["Subject"] == f"[Taskboard] Task #{task.pk} escalated: resize in default"
         assert message["X-Envelope-To"] == "oncall@example.com, lead@example.com"
-        text = message.get_payload(decode=True).decode().replace("\r\n", "\n")
+        payload = message.get_payload(decode=True)
+        assert isinstance(payload, bytes)
+        text = payload.decode().replace("\r\n", "\n")
         assert "\nLast error:\n> needs a human\n" in text
         assert "\nReason:\n> needs a human\n" in text
         assert (
@@ -360,10 +362,10 @@ def test_escalation_emails_go_to_active_staff_with_an_email_by_default(
 ) -> None:
     from tests.factories import StaffFactory, UserFactory
 
-    StaffFactory(username="ann", email="ann@example.com")
-    StaffFactory(username="bob", email="bob@example.com", is_active=False)
-    StaffFactory(username="cyd", email="")
-    UserFactory(username="dee", email="dee@example.com")
+    StaffFactory.create(username="ann", email="ann@example.com")
+    StaffFactory.create(username="bob", email="bob@example.com", is_active=False)
+    StaffFactory.create(username="cyd", email="")
+    UserFactory.create(username="dee", email="dee@example.com")
     with smtp_receiver() as (port, inbox):
         quick.EMAIL_URL = f"smtp://127.0.0.1:{port}"
         quick.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"

@@ -17,7 +17,7 @@ EVIL = {"Host": "evil.example"}
 
 @pytest.fixture
 def token_headers() -> dict[str, str]:
-    token = TokenFactory(user=UserFactory(username="host-checker"))
+    token = TokenFactory.create(user=UserFactory.create(username="host-checker"))
     return {"Authorization": f"Bearer {token.key}"}
 
 

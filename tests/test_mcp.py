@@ -59,7 +59,7 @@ TOOLS = {
 
 @pytest.fixture
 def token() -> str:
-    return str(TokenFactory(user=UserFactory(username="llm-agent")).key)
+    return str(TokenFactory.create(user=UserFactory.create(username="llm-agent")).key)
 
 
 @pytest.fixture(params=["stdio", "http"])
@@ -135,8 +135,8 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
 
             assert {tool.name for tool in tools} == TOOLS
             assert init.instructions and "lease_lost" in init.instructions
-            for tool in tools:
-                assert tool.description, tool.name
+            for listed in tools:
+                assert listed.description, listed.name
             claim = next(tool for tool in tools if tool.name == "claim_task")
             assert "progress" in (claim.description or "")
 
@@ -180,12 +180,13 @@ def test_the_session_lists_exactly_the_contract_tools_with_instructions(
                 ), (tool, name)
             assert bounds("create_task", "run_after")["format"] == "date-time"
             assert bounds("create_task", "depends_on")["uniqueItems"] is True
-            for tool, arguments in [
+            out_of_bounds: list[tuple[str, dict[str, Any]]] = [
                 ("create_task", {"title": "x" * 201}),
                 ("create_task", {"title": "x", "queue": "Not A Queue"}),
                 ("list_tasks", {"status": "nonsense"}),
                 ("comment_task", {"task_id": 1, "body": ""}),
-            ]:
+            ]
+            for tool, arguments in out_of_bounds:
                 refused = await session.call_tool(tool, arguments)
                 assert refused.is_error, (tool, arguments)
 
@@ -310,10 +311,10 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
     lease_lost), rather than the session answering lease_lost for all."""
     from board.access import limit_queues
 
-    limited = UserFactory(username="llm-limited")
+    limited = UserFactory.create(username="llm-limited")
     limit_queues(limited, ["mine"])
-    token = str(TokenFactory(user=limited).key)
-    other = UserFactory(username="someone-else")
+    token = str(TokenFactory.create(user=limited).key)
+    other = UserFactory.create(username="someone-else")
     theirs = transitions.create(actor=other, title="theirs", queue="theirs")
     held = transitions.create(actor=other, title="held", queue="mine")
     transitions.claim(actor=other, queues=["mine"])
@@ -321,13 +322,14 @@ def test_an_action_on_a_task_the_session_does_not_hold_gets_the_apis_refusal(
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:
             await session.initialize()
-            for tool, extra in [
+            holder_tools: list[tuple[str, dict[str, Any]]] = [
                 ("complete_task", {}),
                 ("fail_task", {"error": "no"}),
                 ("release_task", {}),
                 ("escalate_task", {"reason": "no"}),
                 ("report_progress", {"progress": 1}),
-            ]:
+            ]
+            for tool, extra in holder_tools:
                 for task_id, code in [
                     (999_999, "not_found: "),
                     (theirs.pk, "forbidden_queue: "),
@@ -380,7 +382,7 @@ def test_a_refused_finish_leaves_the_task_held_and_heartbeating(
 def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
     server: LiveServer, token: str, transport: str
 ) -> None:
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:
@@ -405,10 +407,12 @@ def test_a_task_held_when_the_session_ends_returns_to_the_board_after_its_lease(
 def test_several_sessions_at_once_never_get_the_same_task(
     server: LiveServer, transport: str
 ) -> None:
-    creator = UserFactory(username="planner")
+    creator = UserFactory.create(username="planner")
     for n in range(12):
         transitions.create(actor=creator, title=f"t{n}", queue="many")
-    tokens = [str(TokenFactory(user=UserFactory(username=f"llm-{n}")).key) for n in range(3)]
+    tokens = [
+        str(TokenFactory.create(user=UserFactory.create(username=f"llm-{n}")).key) for n in range(3)
+    ]
     held: dict[int, list[int]] = {}
 
     async def test() -> None:
@@ -527,7 +531,7 @@ def test_http_a_wrong_token_is_a_clear_error_from_the_sdks_client_not_an_oauth_f
 
 
 def test_http_a_session_belongs_to_the_token_that_opened_it(server: LiveServer, token: str) -> None:
-    other = str(TokenFactory(user=UserFactory(username="intruder")).key)
+    other = str(TokenFactory.create(user=UserFactory.create(username="intruder")).key)
     opened = httpx.post(
         f"{server.url}/mcp/",
         json=INITIALIZE,
@@ -554,7 +558,7 @@ def test_http_a_vanished_clients_session_times_out_and_its_task_returns(
     settings: Any, token: str
 ) -> None:
     settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test(server: LiveServer) -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -664,7 +668,7 @@ def test_stdio_a_client_that_starts_a_process_per_call_finishes_what_it_claimed(
 def test_http_a_claim_whose_lease_ran_out_before_a_new_session_came_says_so(
     server: LiveServer, token: str
 ) -> None:
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
 
     async def test() -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -750,7 +754,7 @@ def test_http_a_killed_clients_task_returns_within_its_lease_not_the_session_idl
 
     lease = 3
     assert settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS == 120  # the default, far above
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
     client = subprocess.Popen(
         [sys.executable, "-c", HOLDING_CLIENT, f"{server.url}/mcp/", token],
         stdout=subprocess.PIPE,
@@ -806,7 +810,7 @@ def test_http_the_sdks_client_in_auto_mode_falls_back_to_a_session(
                 )
                 assert not claimed.is_error, text_of(claimed)
                 await anyio.sleep(3)  # past the lease: the session heartbeats it
-                task_id = created.structured_content["id"]  # type: ignore[index]
+                task_id = created.structured_content["id"]
                 done = await client.call_tool("complete_task", {"task_id": task_id})
                 assert not done.is_error, text_of(done)
         assert (await db(lambda: Task.objects.get(pk=task_id))).status == "done"

@@ -33,7 +33,7 @@ VERSION = "2025-06-18"
 
 
 def token_of(username: str) -> str:
-    return str(TokenFactory(user=UserFactory(username=username)).key)
+    return str(TokenFactory.create(user=UserFactory.create(username=username)).key)
 
 
 def rpc_result(response: httpx.Response) -> Any:
@@ -227,7 +227,7 @@ def test_a_stream_through_another_process_keeps_its_session_and_ends_with_its_cl
     settings: Any,
 ) -> None:
     settings.TASKBOARD_MCP_SESSION_IDLE_SECONDS = 1
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
     with two_servers(settings) as (a, b, _directory):
         alice = token_of("alice")
         session_id, task_id = holding_a_task(f"{a.url}/mcp/", alice, lease_seconds=2)
@@ -354,10 +354,10 @@ def test_a_forwarded_requests_client_address_cannot_be_forged(
 def test_a_token_is_looked_up_once_then_taken_from_the_apis_cache(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from board.api.authentication import authenticate as real
     from board.mcp import endpoint as mcp_endpoint
 
     lookups: list[str] = []
-    real = mcp_endpoint.authenticate
 
     def counted(authorization: str, session_key: str = "", *, address: str | None = None) -> Any:
         lookups.append(str(address))
@@ -454,7 +454,7 @@ def test_a_waiting_claim_whose_session_is_deleted_gives_back_what_it_then_claims
     assert (
         httpx.delete(url, headers={**headers, "MCP-Protocol-Version": VERSION}).status_code == 200
     )
-    task = transitions.create(actor=UserFactory(username="bob"), title="late", queue="late")
+    task = transitions.create(actor=UserFactory.create(username="bob"), title="late", queue="late")
     waiting.join(timeout=30)
 
     def types() -> list[str]:

@@ -23,7 +23,7 @@ def test_answers_that_carry_a_huge_task_leave_the_server_process_s_memory_flat(
     """300 GETs of a task with a 0.93 MB description and 150 heartbeats on it (each
     answered with the whole task) through the API: each answer's objects are freed when
     it has been sent, not when the garbage collector next makes a full collection."""
-    token = TokenFactory(user=UserFactory(username="hoarder"))
+    token = TokenFactory.create(user=UserFactory.create(username="hoarder"))
     server = ServeProcess(
         tmp_path / "serve.log",
         "--workers",
@@ -65,7 +65,7 @@ def test_answers_that_carry_a_huge_task_leave_the_server_process_s_memory_flat(
 def test_creating_huge_tasks_leaves_the_server_process_s_memory_flat(tmp_path: Any) -> None:
     """200 tasks created with a 0.93 MB description each: the validated body goes with
     its request, not with the garbage collector's next full collection."""
-    token = TokenFactory(user=UserFactory(username="hoarder"))
+    token = TokenFactory.create(user=UserFactory.create(username="hoarder"))
     server = ServeProcess(
         tmp_path / "serve.log",
         "--workers",

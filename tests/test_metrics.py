@@ -131,6 +131,7 @@ def test_it_counts_webhook_deliveries_by_result(
     for _ in range(3):
         escalate(make_task, agent)
     first, second = deliveries.claim_deliveries(limit=2, lease_seconds=30)
+    assert first.lease_token is not None and second.lease_token is not None
     deliveries.record_delivery(
         delivery_id=first.pk, lease_token=first.lease_token, delivered=True, status_code=200
     )
@@ -217,7 +218,7 @@ def test_it_refuses_staff_limited_to_queues_who_may_not_see_every_queues_counts(
     from board.access import limit_queues
     from tests.factories import StaffFactory
 
-    limited = StaffFactory(username="ops-images")
+    limited = StaffFactory.create(username="ops-images")
     limit_queues(limited, ["images"])
     response = api(limited).get("/metrics")
 
@@ -259,7 +260,7 @@ def test_it_answers_503_while_the_database_is_unreachable(
 def test_a_live_server_reports_its_streams_waiting_claims_and_relay(
     server: LiveServer, staff: Any, agent: Any, open_raw_connection: Any
 ) -> None:
-    token = TokenFactory(user=staff)
+    token = TokenFactory.create(user=staff)
     headers = {"Authorization": f"Bearer {token.key}"}
 
     def live_scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -341,8 +342,8 @@ def test_the_alert_rules_and_scrape_configuration_are_valid_yaml() -> None:
 def test_under_serve_workers_every_worker_counts_every_workers_claims(
     tmp_path: Path, staff: Any, agent: Any
 ) -> None:
-    headers = {"Authorization": f"Bearer {TokenFactory(user=staff).key}"}
-    agent_headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=staff).key}"}
+    agent_headers = {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
     for n in range(5):
         transitions.create(actor=agent, title=f"task {n}")
     server = ServeProcess(

@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from access import rates
 from access.models import WriteCount
+from board.exceptions import RateLimited
 from board.models import Task, TaskEvent
 from tests.factories import TokenFactory, UserFactory
 from tests.live import LiveServer
@@ -153,7 +154,7 @@ def test_the_previous_minutes_writes_still_weigh_after_the_window_turns(
     # The previous window's 10 weigh 10 * left / 60: the room is what remains of the 10.
     room = int(10 - 10 * left / 60)
     spent = 0
-    with pytest.raises(rates.RateLimited) as refused:
+    with pytest.raises(RateLimited) as refused:
         for _ in range(11):
             rates.spend(agent, rates.Write.CREATE)
             spent += 1
@@ -191,7 +192,7 @@ def test_concurrent_creates_never_pass_the_rate_together(
 ) -> None:
     settings.TASKBOARD_CREATE_RATE = 5
     fresh_window(20)
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
 
     statuses = creates_at_once(server.url, [token], 16)
 
@@ -213,7 +214,7 @@ def test_the_count_is_shared_by_two_server_processes(
     in the database. The serve process reads its rate from the environment."""
     settings.TASKBOARD_CREATE_RATE = 6000  # the default, which the serve process has too
     fresh_window(20)
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     headers = {"Authorization": f"Bearer {token}"}
     # Most of the default rate spent through the database, as a third process would.
     with connection.cursor() as cursor:
@@ -241,7 +242,7 @@ def test_an_mcp_tool_past_the_rate_says_rate_limited_and_when_to_retry(
     settings.TASKBOARD_CREATE_RATE = 1
     settings.TASKBOARD_COMMENT_RATE = 1
     fresh_window(20)
-    token = str(TokenFactory(user=UserFactory(username="llm-agent")).key)
+    token = str(TokenFactory.create(user=UserFactory.create(username="llm-agent")).key)
 
     async def test() -> None:
         async with mcp_session(server, token, transport) as session:

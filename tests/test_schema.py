@@ -265,7 +265,7 @@ def test_every_operation_that_takes_a_body_refuses_one_that_is_not_json_as_docum
     from board.models import Task
     from tests.factories import UserFactory
 
-    user = UserFactory(username="root", is_staff=True, is_superuser=True)
+    user = UserFactory.create(username="root", is_staff=True, is_superuser=True)
     task = transitions.create(actor=user, title="aimed at")
     client = api(user)
     for operation_id, (path, method, operation) in OPERATIONS.items():

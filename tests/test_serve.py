@@ -201,8 +201,9 @@ MARGIN = 3
 def test_connections_that_never_finish_their_headers_are_closed_but_streams_run_on(
     tmp_path: Path,
 ) -> None:
-    user = UserFactory(username="header-watcher")
-    token = TokenFactory(user=user).key
+    user = UserFactory.create(username="header-watcher")
+    token = TokenFactory.create(user=user).key
+    assert token is not None
     server = serve_on_the_test_database(tmp_path, TASKBOARD_HEADER_TIMEOUT=str(HEADER_TIMEOUT))
     address = ("127.0.0.1", server.port)
     try:
@@ -301,8 +302,8 @@ def test_by_default_a_local_client_cannot_name_its_address_to_the_throttle(
     neither spreads its failures over addresses nor spends another address's."""
     from tests.test_tokens import fresh_window
 
-    agent = UserFactory(username="local-agent")
-    valid = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    agent = UserFactory.create(username="local-agent")
+    valid = {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
     server = serve_on_the_test_database(tmp_path)
     try:
         fresh_window(seconds_needed=20)

@@ -18,6 +18,7 @@ import pytest
 from django.db import connection, transaction
 
 from board import transitions
+from board.access import EVERY_QUEUE
 from board.live import relay as relay_module
 from board.live import stream as stream_module
 from board.models import TaskEvent
@@ -59,11 +60,11 @@ def server(request: Any, tmp_path: Any, settings: Any) -> Iterator[LiveServer]:
 
 @pytest.fixture
 def watcher() -> dict[str, str]:
-    token = TokenFactory(user=UserFactory(username="watcher"))
+    token = TokenFactory.create(user=UserFactory.create(username="watcher"))
     return {"Authorization": f"Bearer {token.key}"}
 
 
-def stream_url(server: LiveServer) -> str:
+def stream_url(server: LiveServer | ServeProcess) -> str:
     return f"{server.url}/api/v1/stream/"
 
 
@@ -341,8 +342,7 @@ def test_a_transaction_in_another_database_does_not_hold_the_stream_back(
 ) -> None:
     """Only this database's transactions can add events: a long write transaction in
     another database on the same server must not delay delivery."""
-    params = psycopg.conninfo.conninfo_to_dict(relay_module.django_conninfo())
-    with psycopg.connect(**{**params, "dbname": "postgres"}) as elsewhere:
+    with psycopg.connect(relay_module.django_conninfo(), dbname="postgres") as elsewhere:
         elsewhere.execute("SELECT pg_current_xact_id()")  # takes a transaction id, stays open
         with StreamCollector(stream_url(server), watcher) as stream:
             started = time.monotonic()
@@ -528,8 +528,8 @@ def test_a_change_the_relay_heard_is_not_acted_on_again_when_it_reconnects() -> 
     read them (migration 0015); a change it heard and acted on meanwhile is not one."""
     from access import tokens
 
-    user = UserFactory(username="heard-once")
-    TokenFactory(user=user)
+    user = UserFactory.create(username="heard-once")
+    TokenFactory.create(user=user)
     background = BackgroundLoop()
     relay = relay_module.Relay(relay_module.django_conninfo())
     heard: list[int | None] = []
@@ -591,8 +591,8 @@ def quick_recheck(settings: Any) -> None:
 def test_an_open_stream_ends_when_its_token_is_rotated(server: LiveServer) -> None:
     from access import tokens
 
-    user = UserFactory(username="leaky")
-    old = TokenFactory(user=user).key
+    user = UserFactory.create(username="leaky")
+    old = TokenFactory.create(user=user).key
     with StreamCollector(stream_url(server), {"Authorization": f"Bearer {old}"}) as stream:
         assert stream.status == 200
         tokens.issue(user)
@@ -619,7 +619,7 @@ def test_an_open_stream_of_a_browser_ends_when_its_session_does(server: LiveServ
     from django.test import Client
 
     browser = Client()
-    browser.force_login(UserFactory(username="person"))
+    browser.force_login(UserFactory.create(username="person"))
     cookie = f"sessionid={browser.cookies['sessionid'].value}"
     with StreamCollector(stream_url(server), {"Cookie": cookie}) as stream:
         assert stream.status == 200
@@ -656,8 +656,8 @@ def test_a_rotated_token_ends_its_stream_at_once_and_is_refused_at_once(
 ) -> None:
     from access import tokens
 
-    user = UserFactory(username="rotated")
-    old = TokenFactory(user=user).key
+    user = UserFactory.create(username="rotated")
+    old = TokenFactory.create(user=user).key
     headers = {"Authorization": f"Bearer {old}"}
     # The token's lookup is now cached in the server, as an agent's is.
     assert httpx.get(f"{server.url}/api/v1/tasks/", headers=headers).status_code == 200
@@ -691,7 +691,7 @@ def logged_in(username: str) -> tuple[Any, dict[str, str]]:
     from django.test import Client
 
     browser = Client()
-    browser.force_login(UserFactory(username=username))
+    browser.force_login(UserFactory.create(username=username))
     return browser, {"Cookie": f"sessionid={browser.cookies['sessionid'].value}"}
 
 
@@ -748,8 +748,8 @@ def test_a_change_made_while_the_relay_was_cut_off_ends_the_stream_once_it_liste
     connects again, and the user's streams end then, held in Pushpin too."""
     from access import tokens
 
-    user = UserFactory(username="rotated-in-the-dark")
-    headers = {"Authorization": f"Bearer {TokenFactory(user=user).key}"}
+    user = UserFactory.create(username="rotated-in-the-dark")
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=user).key}"}
     relay = relay_of(server)
     with StreamCollector(stream_url(server), headers) as stream:
         assert stream.status == 200
@@ -1099,7 +1099,7 @@ def test_events_held_back_when_the_last_listener_left_are_read_for_the_next_stre
         transitions.create(actor=agent, title="held back")
         time.sleep(0.5)  # read, and held back: the relay looks again every 50 ms
         held = relay.head
-        assert held < committed_cursor()
+        assert held is not None and held < committed_cursor()
 
         waiting["claims"] = False
         time.sleep(0.3)  # the relay sees nobody listens any more
@@ -1289,10 +1289,11 @@ def test_held_streams_of_different_agents_are_never_answered_for_each_other(
 
     if shutil.which("pushpin") is None:
         pytest.skip("no pushpin (apt-get install pushpin; .ci/run installs it)")
-    limited_user = UserFactory(username="limited")
+    limited_user = UserFactory.create(username="limited")
     limit_queues(limited_user, ["open"])
-    limited = {"Authorization": f"Bearer {TokenFactory(user=limited_user).key}"}
-    unlimited = {"Authorization": f"Bearer {TokenFactory(user=UserFactory(username='all')).key}"}
+    limited = {"Authorization": f"Bearer {TokenFactory.create(user=limited_user).key}"}
+    unlimited_user = UserFactory.create(username="all")
+    unlimited = {"Authorization": f"Bearer {TokenFactory.create(user=unlimited_user).key}"}
     slow_next_link = stream_module.next_link
 
     async def next_link(*args: Any) -> None:
@@ -1413,7 +1414,7 @@ def test_a_stream_answered_across_a_change_of_credentials_is_not_held(
                 None,
                 ("token", "digest"),
                 1,
-                stream_module.EVERY_QUEUE,
+                EVERY_QUEUE,
                 preamble=preamble,
                 generation=generation,
             )
@@ -1516,8 +1517,8 @@ def test_a_huge_task_with_a_heartbeat_flood_leaves_every_server_process_s_memory
     """One agent creates a task with a 0.93 MB description, claims it and sends 150
     heartbeats while one stream is open: every server process reads every event, and none
     may keep the description with each of them (nor send it to the stream)."""
-    hoarder = UserFactory(username="hoarder")
-    token = TokenFactory(user=hoarder)
+    hoarder = UserFactory.create(username="hoarder")
+    token = TokenFactory.create(user=hoarder)
     headers = {"Authorization": f"Bearer {token.key}"}
     server = ServeProcess(
         tmp_path / "serve.log",
@@ -1625,6 +1626,7 @@ def test_a_value_too_large_to_read_is_named_without_being_read(agent: Any) -> No
         background.run(relay.open_pool())
 
         async def read() -> list[relay_module.StreamEvent]:
+            assert relay.head is not None
             return [
                 event
                 async for page in relay.replay(relay_module.START, relay.head)
@@ -1639,10 +1641,10 @@ def test_a_value_too_large_to_read_is_named_without_being_read(agent: Any) -> No
         background.run(relay.stop())
         background.close()
 
-    assert [row["task_elided"] for row in rows if row["task_is_current"]] == [  # type: ignore[index]
+    assert [row["task_elided"] for row in rows if row["task_is_current"]] == [
         ["description", "payload"]
     ]
-    assert all(row["description"] is None for row in rows)  # type: ignore[index]
+    assert all(row["description"] is None for row in rows)
     [failed] = [event for event in sent if event["type"] == "failed"]
     # 9,000 characters of error: read (under 16 KiB), but not sent (over 8 KiB).
     assert (failed["payload"]["error"], failed["elided"]) == (None, ["error"])
@@ -1660,8 +1662,11 @@ def test_an_event_is_never_larger_than_64_kib_however_many_values_it_has(agent: 
         background.run(relay.open_pool())
 
         async def read() -> dict[str, Any]:
+            assert relay.head is not None
             async for page in relay.replay(relay_module.START, relay.head):
-                return dict(page[-1].source)  # type: ignore[arg-type]
+                source = page[-1].source
+                assert isinstance(source, dict)  # the row, as nothing asked for its SSE yet
+                return dict(source)
             raise AssertionError("no event")
 
         row = background.run(read())
@@ -1689,6 +1694,7 @@ def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the
         background.run(relay.start())
         background.run(relay.open_pool())
         start = relay.head
+        assert start is not None
         made = [
             transitions.create(actor=agent, title=f"t{n}", description="d" * 8000).id
             for n in range(60)
@@ -1712,8 +1718,8 @@ def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the
         assert held_bytes == summed <= 200_000
 
         async def replay(after: relay_module.Cursor) -> tuple[list[int], bool]:
-            in_memory = relay._from_buffer(after, relay.head) is not None
             assert relay.head is not None
+            in_memory = relay._from_buffer(after, relay.head) is not None
             ids = [e.task_id async for page in relay.replay(after, relay.head) for e in page]
             return ids, in_memory
 

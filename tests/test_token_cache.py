@@ -30,7 +30,9 @@ def token_queries(client: APIClient) -> int:
 
 
 def test_a_known_token_is_looked_up_once_per_process() -> None:
-    client = client_with(TokenFactory(user=UserFactory(username="repeat")).key)
+    token = TokenFactory.create(user=UserFactory.create(username="repeat"))
+    assert token.key is not None
+    client = client_with(token.key)
 
     assert token_queries(client) == 1
     assert token_queries(client) == 0
@@ -38,7 +40,8 @@ def test_a_known_token_is_looked_up_once_per_process() -> None:
 
 def test_without_the_cache_a_deleted_token_is_refused_at_once(settings: Any) -> None:
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    token = TokenFactory(user=UserFactory(username="revoked"))
+    token = TokenFactory.create(user=UserFactory.create(username="revoked"))
+    assert token.key is not None
     client = client_with(token.key)
     assert client.get("/api/v1/events/").status_code == 200
 
@@ -51,14 +54,15 @@ def test_an_unknown_token_is_never_remembered() -> None:
     client = client_with("0" * 40)
     assert client.get("/api/v1/events/").status_code == 401
 
-    token = TokenFactory(user=UserFactory(username="late"))
+    token = TokenFactory.create(user=UserFactory.create(username="late"))
     ApiToken.objects.filter(pk=token.pk).update(digest=tokens.digest("0" * 40))
 
     assert client.get("/api/v1/events/").status_code == 200
 
 
 def test_the_cache_keeps_no_plain_token() -> None:
-    token = TokenFactory(user=UserFactory(username="cached"))
+    token = TokenFactory.create(user=UserFactory.create(username="cached"))
+    assert token.key is not None
     client_with(token.key).get("/api/v1/events/")
 
     assert list(authentication._token_cache) == [tokens.digest(token.key)]
@@ -72,8 +76,9 @@ def test_a_lookup_that_a_change_of_credentials_overtakes_is_not_remembered(
     process heard of it (board.live.revocation): remembered, it would vouch for the revoked
     token for TASKBOARD_TOKEN_CACHE_SECONDS, and a stream held again in Pushpin with it
     for TASKBOARD_HELD_STREAM_RECHECK_SECONDS."""
-    user = UserFactory(username="overtaken")
-    key = TokenFactory(user=user).key
+    user = UserFactory.create(username="overtaken")
+    key = TokenFactory.create(user=user).key
+    assert key is not None
     looked_up = tokens.user_for
 
     def overtaken(token_key: str) -> Any:

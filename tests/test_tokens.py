@@ -79,7 +79,7 @@ def test_no_table_holds_a_token_in_plain_text(settings: Any) -> None:
         out.append(buffer.getvalue())
     agent_token = out[0].splitlines()[-1]
     human_token = out[1].split()[2]
-    factory_token = str(TokenFactory(user=UserFactory(username="bot-2")).key)
+    factory_token = str(TokenFactory.create(user=UserFactory.create(username="bot-2")).key)
     assert api_client(factory_token).get("/api/v1/tasks/").status_code == 200
 
     for token in (agent_token, human_token, factory_token):
@@ -91,7 +91,7 @@ def test_no_table_holds_a_token_in_plain_text(settings: Any) -> None:
 @pytest.mark.django_db
 def test_drf_tokens_keep_working_after_the_migration_hashes_them(settings: Any) -> None:
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    user = UserFactory(username="old-agent")
+    user = UserFactory.create(username="old-agent")
     key = "0123456789abcdef0123456789abcdef01234567"
     with connection.cursor() as cursor:
         # DRF's rest_framework.authtoken table, as its migrations made it.
@@ -123,7 +123,7 @@ def test_migrating_a_database_with_drf_tokens_hashes_them(settings: Any) -> None
     from django.db.migrations.executor import MigrationExecutor
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    user = UserFactory(username="older-agent")
+    user = UserFactory.create(username="older-agent")
     key = "fedcba9876543210fedcba9876543210fedcba98"
     executor = MigrationExecutor(connection)
     executor.migrate([("access", None)])  # back to before this app: no api_tokens
@@ -164,7 +164,7 @@ def test_staff_rotate_a_token_in_the_admin_and_see_the_new_one_once(
     token_admin: Client, agent: Any, settings: Any
 ) -> None:
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    old = str(TokenFactory(user=agent).key)
+    old = str(TokenFactory.create(user=agent).key)
     assert api_client(old).get("/api/v1/tasks/").status_code == 200
 
     response = token_admin.post(TOKENS_URL, {"action": "rotate", "_selected_action": [agent.pk]})
@@ -186,7 +186,7 @@ def test_the_rotate_button_on_a_tokens_page_rotates_it(
     token_admin: Client, agent: Any, settings: Any
 ) -> None:
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    old = str(TokenFactory(user=agent).key)
+    old = str(TokenFactory.create(user=agent).key)
     page = token_admin.get(reverse("admin:access_apitoken_change", args=[agent.pk]))
     rotate_url = reverse("admin:access_apitoken_rotate", args=[agent.pk])
     assert rotate_url in page.content.decode()
@@ -211,7 +211,7 @@ def test_staff_issue_a_token_for_a_user_that_has_none(token_admin: Client, agent
 def test_adding_a_token_for_a_user_that_has_one_replaces_nothing(
     token_admin: Client, agent: Any
 ) -> None:
-    old = str(TokenFactory(user=agent).key)
+    old = str(TokenFactory.create(user=agent).key)
 
     response = token_admin.post(reverse("admin:access_apitoken_add"), {"user": agent.pk})
 
@@ -222,9 +222,9 @@ def test_adding_a_token_for_a_user_that_has_one_replaces_nothing(
 
 @pytest.mark.django_db
 def test_staff_without_the_permission_cannot_rotate(agent: Any) -> None:
-    TokenFactory(user=agent)
+    TokenFactory.create(user=agent)
     client = Client()
-    client.force_login(StaffFactory(username="ops-bob"))
+    client.force_login(StaffFactory.create(username="ops-bob"))
 
     assert client.post(reverse("admin:access_apitoken_rotate", args=[agent.pk])).status_code == 403
     assert client.get(TOKENS_URL).status_code == 403
@@ -238,8 +238,8 @@ def test_only_a_superuser_issues_or_rotates_the_token_of_staff(agent: Any, setti
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
     root = get_user_model().objects.create_superuser("root", password="x")
-    root_token = str(TokenFactory(user=root).key)
-    keeper = StaffFactory(username="ops-keeper")
+    root_token = str(TokenFactory.create(user=root).key)
+    keeper = StaffFactory.create(username="ops-keeper")
     keeper.user_permissions.add(
         *Permission.objects.filter(codename__in=["add_apitoken", "change_apitoken"])
     )
@@ -247,7 +247,7 @@ def test_only_a_superuser_issues_or_rotates_the_token_of_staff(agent: Any, setti
     client.force_login(keeper)
     add_url = reverse("admin:access_apitoken_add")
 
-    issue_for_staff = client.post(add_url, {"user": StaffFactory(username="ops-carol").pk})
+    issue_for_staff = client.post(add_url, {"user": StaffFactory.create(username="ops-carol").pk})
     rotate_root = client.post(reverse("admin:access_apitoken_rotate", args=[root.pk]))
     rotate_many = client.post(TOKENS_URL, {"action": "rotate", "_selected_action": [root.pk]})
     issue_for_agent = client.post(add_url, {"user": agent.pk})
@@ -271,20 +271,20 @@ def test_staff_limited_to_queues_mint_tokens_only_of_users_within_their_queues(
     from board.access import limit_queues
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
-    keeper = StaffFactory(username="ops-limited")
+    keeper = StaffFactory.create(username="ops-limited")
     keeper.user_permissions.add(
         *Permission.objects.filter(codename__in=["add_apitoken", "change_apitoken"])
     )
     limit_queues(keeper, ["a"])
-    unlimited = UserFactory(username="carol")
-    unlimited_token = str(TokenFactory(user=unlimited).key)
-    of_b = UserFactory(username="bob")
+    unlimited = UserFactory.create(username="carol")
+    unlimited_token = str(TokenFactory.create(user=unlimited).key)
+    of_b = UserFactory.create(username="bob")
     limit_queues(of_b, ["b"])
-    TokenFactory(user=of_b)
-    of_a = UserFactory(username="alice")
+    TokenFactory.create(user=of_b)
+    of_a = UserFactory.create(username="alice")
     limit_queues(of_a, ["a"])
-    TokenFactory(user=of_a)
-    tokenless = UserFactory(username="dave")
+    TokenFactory.create(user=of_a)
+    tokenless = UserFactory.create(username="dave")
     client = Client()
     client.force_login(keeper)
 
@@ -318,21 +318,21 @@ def test_staff_limited_to_a_queue_delete_and_list_only_tokens_of_users_within_it
 
     settings.TASKBOARD_TOKEN_CACHE_SECONDS = 0
     root = get_user_model().objects.create_superuser("root", password="x")
-    root_token = str(TokenFactory(user=root).key)
-    keeper = StaffFactory(username="ops-limited")
+    root_token = str(TokenFactory.create(user=root).key)
+    keeper = StaffFactory.create(username="ops-limited")
     keeper.user_permissions.add(
         *Permission.objects.filter(codename__in=["view_apitoken", "delete_apitoken"])
     )
     limit_queues(keeper, ["qa"])
-    TokenFactory(user=keeper)
-    of_qb = UserFactory(username="bob")
+    TokenFactory.create(user=keeper)
+    of_qb = UserFactory.create(username="bob")
     limit_queues(of_qb, ["qb"])
-    of_qb_token = str(TokenFactory(user=of_qb).key)
-    unlimited = UserFactory(username="carol")
-    unlimited_token = str(TokenFactory(user=unlimited).key)
-    of_qa = UserFactory(username="alice")
+    of_qb_token = str(TokenFactory.create(user=of_qb).key)
+    unlimited = UserFactory.create(username="carol")
+    unlimited_token = str(TokenFactory.create(user=unlimited).key)
+    of_qa = UserFactory.create(username="alice")
     limit_queues(of_qa, ["qa"])
-    TokenFactory(user=of_qa)
+    TokenFactory.create(user=of_qa)
     client = Client()
     client.force_login(keeper)
 
@@ -389,12 +389,12 @@ def test_the_token_list_shows_exactly_the_tokens_its_user_may_issue_or_rotate() 
         ("agent-b", False, ["qb"]),
         ("agent-all", False, None),
     ]:
-        user = (StaffFactory if staff else UserFactory)(username=name)
+        user = (StaffFactory if staff else UserFactory).create(username=name)
         if queues:
             limit_queues(user, queues)
         users.append(user)
     for user in users:
-        TokenFactory(user=user)
+        TokenFactory.create(user=user)
     users = list(get_user_model().objects.all())  # fresh, without cached queue limits
 
     for actor in users:
@@ -415,7 +415,7 @@ def assert_throttled(response: Any) -> None:
 @pytest.mark.django_db
 def test_the_31st_failure_in_a_minute_is_throttled_even_with_a_valid_token(agent: Any) -> None:
     fresh_window()
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     guesser = api_client("not-a-real-token", address="10.0.0.66")
     for _ in range(30):
         assert guesser.get("/api/v1/tasks/").status_code == 401
@@ -434,7 +434,7 @@ def test_the_31st_failure_in_a_minute_is_throttled_even_with_a_valid_token(agent
 
 @pytest.mark.django_db
 def test_a_client_that_only_authenticates_successfully_is_never_throttled(agent: Any) -> None:
-    client = api_client(str(TokenFactory(user=agent).key), address="10.0.0.8")
+    client = api_client(str(TokenFactory.create(user=agent).key), address="10.0.0.8")
 
     statuses = {client.get("/api/v1/tasks/").status_code for _ in range(100)}
 
@@ -480,7 +480,7 @@ def test_failures_across_a_window_boundary_are_held_to_the_limit(settings: Any) 
 def test_the_throttle_ends_with_its_window(agent: Any, settings: Any) -> None:
     settings.TASKBOARD_AUTH_FAILURE_LIMIT = 3
     settings.TASKBOARD_AUTH_FAILURE_WINDOW_SECONDS = 2
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     fresh_window(1.5)
     for _ in range(3):
         assert api_client("wrong").get("/api/v1/tasks/").status_code == 401
@@ -566,7 +566,7 @@ def two_servers() -> Iterator[tuple[LiveServer, LiveServer]]:
 def test_failures_through_two_servers_add_up(
     two_servers: tuple[LiveServer, LiveServer], agent: Any
 ) -> None:
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     fresh_window()
     bad = {"Authorization": "Bearer wrong"}
     for n in range(30):
@@ -584,7 +584,7 @@ def test_failures_through_two_servers_add_up(
 
 @pytest.mark.django_db(transaction=True)
 def test_the_stream_counts_failures_and_is_throttled(server: LiveServer, agent: Any) -> None:
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     fresh_window()
     url = f"{server.url}/api/v1/stream/"
     for n in range(30):
@@ -606,7 +606,7 @@ def test_requests_without_credentials_count_nothing(server: LiveServer, agent: A
     """A board left open after its user logged out asks for the stream and the panels
     again and again, with a session that ended and no token: that guesses nothing, and
     must not lock out the agents behind the same address."""
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     logged_out = httpx.Client(base_url=server.url, cookies={"sessionid": "ended" * 6})
     fresh_window()
     for path in (
@@ -629,7 +629,7 @@ def test_requests_without_credentials_count_nothing(server: LiveServer, agent: A
 def test_the_stream_lets_a_valid_token_in_and_counts_nothing(
     server: LiveServer, agent: Any
 ) -> None:
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     url = f"{server.url}/api/v1/stream/"
     for _ in range(35):
         with httpx.stream("GET", url, headers={"Authorization": f"Token {token}"}) as response:
@@ -645,7 +645,7 @@ def test_the_python_client_raises_throttled_with_the_wait(
     from taskboard_agent.client import AuthenticationError, Client, Throttled
 
     settings.TASKBOARD_AUTH_FAILURE_LIMIT = 1
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     fresh_window()
     with Client(server.url, "wrong", retries=0) as stranger, pytest.raises(AuthenticationError):
         stranger.list_tasks()
@@ -709,7 +709,7 @@ def serve_process(tmp_path: Any) -> Iterator[str]:
 def test_failures_through_two_server_processes_add_up(
     server: LiveServer, serve_process: str, agent: Any
 ) -> None:
-    token = str(TokenFactory(user=agent).key)
+    token = str(TokenFactory.create(user=agent).key)
     fresh_window()
     bad = {"Authorization": "Bearer wrong"}
     for n in range(30):
@@ -773,7 +773,7 @@ def test_an_address_without_failures_is_read_once_not_on_every_call(
 ) -> None:
     listening_relay(server)
     reads = FailureReads(monkeypatch)
-    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
     with httpx.Client(base_url=server.url, headers=headers) as client:
         statuses = [client.get("/api/v1/tasks/").status_code for _ in range(20)]
 
@@ -791,7 +791,7 @@ def test_failures_counted_by_another_process_throttle_an_address_read_as_clean(
     fresh_window()
     listening_relay(server)
     reads = FailureReads(monkeypatch)
-    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
     with httpx.Client(base_url=server.url, headers=headers) as client:
         assert client.get("/api/v1/tasks/").status_code == 200
         assert client.get("/api/v1/tasks/").status_code == 200
@@ -816,7 +816,7 @@ def test_failures_announced_while_the_relay_was_cut_off_still_throttle(
     fresh_window()
     relay = listening_relay(server)
     reads = FailureReads(monkeypatch)
-    headers = {"Authorization": f"Bearer {TokenFactory(user=agent).key}"}
+    headers = {"Authorization": f"Bearer {TokenFactory.create(user=agent).key}"}
     with httpx.Client(base_url=server.url, headers=headers) as client:
         assert client.get("/api/v1/tasks/").status_code == 200
         assert client.get("/api/v1/tasks/").status_code == 200

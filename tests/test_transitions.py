@@ -43,7 +43,8 @@ def db_now() -> datetime:
     """Return PostgreSQL's now(): the start of the test's transaction."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
+        now: datetime = cursor.fetchone()[0]
+        return now
 
 
 def move_lease_end(task_id: int, seconds_from_now: float) -> None:
@@ -65,7 +66,8 @@ def timeline(task_id: int) -> list[tuple[str, str, str]]:
 
 
 def state_of(task_id: int) -> dict[str, Any]:
-    return Task.objects.values(*TASK_STATE).get(pk=task_id)
+    state: dict[str, Any] = Task.objects.values(*TASK_STATE).get(pk=task_id)
+    return state
 
 
 @pytest.fixture

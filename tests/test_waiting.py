@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def waiter_headers() -> dict[str, str]:
-    token = TokenFactory(user=UserFactory(username="patient-agent"))
+    token = TokenFactory.create(user=UserFactory.create(username="patient-agent"))
     return {"Authorization": f"Bearer {token.key}"}
 
 

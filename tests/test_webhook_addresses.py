@@ -200,7 +200,7 @@ def tls_receiver(cert: Path, key: Path) -> Iterator[tuple[int, list[tuple[str | 
     server_names: list[str | None] = []
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
-    context.sni_callback = lambda sock, name, ctx: server_names.append(name)  # type: ignore[assignment,misc,return-value]
+    context.sni_callback = lambda sock, name, ctx: server_names.append(name)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:

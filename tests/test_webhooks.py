@@ -209,7 +209,7 @@ def test_staff_limited_to_queues_see_and_add_only_webhooks_of_their_queues(
 
     every_queue = add_webhook(staff_api)
     theirs = add_webhook(staff_api, queues=["images", "other"])
-    limited = StaffFactory(username="ops-images")
+    limited = StaffFactory.create(username="ops-images")
     limit_queues(limited, ["images"])
     limited_api = api(limited)
 
@@ -236,9 +236,9 @@ def test_escalation_emails_by_default_skip_staff_limited_to_other_queues() -> No
     from board.notifications import deliveries
     from tests.factories import StaffFactory
 
-    StaffFactory(username="ann", email="ann@example.com")
-    limit_queues(StaffFactory(username="ida", email="ida@example.com"), ["images"])
-    limit_queues(StaffFactory(username="ola", email="ola@example.com"), ["other"])
+    StaffFactory.create(username="ann", email="ann@example.com")
+    limit_queues(StaffFactory.create(username="ida", email="ida@example.com"), ["images"])
+    limit_queues(StaffFactory.create(username="ola", email="ola@example.com"), ["other"])
 
     assert deliveries._recipients("images") == ["ann@example.com", "ida@example.com"]
     assert deliveries._recipients("default") == ["ann@example.com"]
@@ -470,7 +470,7 @@ def test_the_retry_action_is_for_staff_only(
     staff_api: APIClient, make_task: Callable[..., Any], agent: Any
 ) -> None:
     failed = failed_delivery(staff_api, make_task, agent)
-    outsider = grant(UserFactory(username="not-staff"), "board.view_delivery")
+    outsider = grant(UserFactory.create(username="not-staff"), "board.view_delivery")
     client = Client()
     client.force_login(outsider)
     client.post("/admin/board/delivery/", {"action": "retry", "_selected_action": [failed.pk]})

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 
 from board import transitions
@@ -32,15 +33,15 @@ WORKER = "worker-bee"
 live = pytest.mark.django_db(transaction=True)
 
 
-def token_of(user: Any) -> str:
+def token_of(user: User) -> str:
     """Return the API token of ``user`` (made on first use)."""
-    token: Any = TokenFactory(user=user)
+    token = TokenFactory.create(user=user)
     return str(token.key)
 
 
 @pytest.fixture
 def token(fast_password_hashing: None) -> str:
-    return token_of(UserFactory(username=WORKER))
+    return token_of(UserFactory.create(username=WORKER))
 
 
 @pytest.fixture
@@ -491,7 +492,7 @@ open(name + ".end", "w").write(repr(time.time()))
 def test_a_worker_for_queues_its_agent_may_not_use_stops_and_says_why(
     server: LiveServer, tmp_path: Path, agent: Any
 ) -> None:
-    limited = UserFactory(username="images-only")
+    limited = UserFactory.create(username="images-only")
     limit_queues(limited, ["images"])
     task = transitions.create(actor=agent, title="not for it", queue="video")
     log = tmp_path / "worker.log"
@@ -595,7 +596,7 @@ def test_submit_asks_for_no_attempt_limit_with_none_or_a_null(
 def test_tasks_lists_by_filter_as_json_lines_or_a_table(
     server: LiveServer, token: str, agent: Any
 ) -> None:
-    worker: Any = UserFactory(username=WORKER)
+    worker = UserFactory.create(username=WORKER)
     first = transitions.create(actor=agent, title="first", queue="q")
     second = transitions.create(actor=agent, title="second one", queue="q")
     transitions.create(actor=agent, title="elsewhere", queue="other")

@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -158,8 +159,8 @@ def test_concurrent_creates_that_share_dependencies_never_deadlock(agent: Any) -
 
 
 def test_sixteen_threads_never_claim_a_task_before_all_its_dependencies_are_done() -> None:
-    agents = [UserFactory(username=f"graph-agent-{i}") for i in range(16)]
-    planner = UserFactory(username="planner")
+    agents = [UserFactory.create(username=f"graph-agent-{i}") for i in range(16)]
+    planner = UserFactory.create(username="planner")
     rng = random.Random(9)
     ids: list[int] = []
     for number in range(120):
@@ -261,13 +262,14 @@ def test_the_attempt_deadline_holds_in_real_time_however_often_the_holder_heartb
         time.sleep(0.5)
     time.sleep(max(0.0, 2.1 - 1.5))
 
-    for action, extra in (
+    holder_actions: list[tuple[Callable[..., Task], dict[str, str]]] = [
         (transitions.heartbeat, {}),
         (transitions.complete, {}),
         (transitions.fail, {"error": "x"}),
         (transitions.release, {}),
         (transitions.escalate, {"reason": "x"}),
-    ):
+    ]
+    for action, extra in holder_actions:
         with pytest.raises(LeaseLost, match="attempt deadline passed"):
             action(task_id=task.pk, actor=agent, lease_token=claim.lease_token, **extra)
 
@@ -349,7 +351,7 @@ def counts_by_scan() -> dict[str, dict[str, int]]:
 def test_queue_counts_equal_a_count_after_thousands_of_concurrent_random_transitions(
     staff: Any,
 ) -> None:
-    agents = [UserFactory(username=f"busy-agent-{i}") for i in range(8)]
+    agents = [UserFactory.create(username=f"busy-agent-{i}") for i in range(8)]
     queues = ["alpha", "beta", "gamma"]
     transitions_done = Counter[str]()
     lock = threading.Lock()

@@ -7,7 +7,6 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -47,7 +46,7 @@ def token_for(fast_password_hashing: None) -> Callable[[str], str]:
     """Return a function that makes a user with an API token and returns the token."""
 
     def make(username: str) -> str:
-        token: Any = TokenFactory(user=UserFactory(username=username))
+        token = TokenFactory.create(user=UserFactory.create(username=username))
         return str(token.key)
 
     return make

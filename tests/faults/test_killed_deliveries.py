@@ -31,9 +31,9 @@ QUICK = {
 
 def escalate_tasks(count: int) -> list[int]:
     """Escalate ``count`` new tasks; return the ids of their escalated events."""
-    agent = UserFactory(username="agent-smith")
+    agent = UserFactory.create(username="agent-smith")
     for _ in range(count):
-        TaskFactory(created_by=agent)
+        TaskFactory.create(created_by=agent)
     ids = []
     for held in transitions.claim(actor=agent, limit=count):
         task = transitions.escalate(
@@ -46,7 +46,7 @@ def escalate_tasks(count: int) -> list[int]:
 def test_a_delivery_cut_off_by_a_killed_server_is_made_after_a_restart(
     start_serve: Callable[..., ServeProcess],
 ) -> None:
-    staff = UserFactory(username="ops-alice", is_staff=True)
+    staff = UserFactory.create(username="ops-alice", is_staff=True)
     with WebhookReceiver(HOLD) as receiver:
         deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET
@@ -77,7 +77,7 @@ def test_a_delivery_cut_off_by_a_killed_server_is_made_after_a_restart(
 def test_two_server_processes_make_each_delivery_once(
     start_serve: Callable[..., ServeProcess],
 ) -> None:
-    staff = UserFactory(username="ops-alice", is_staff=True)
+    staff = UserFactory.create(username="ops-alice", is_staff=True)
     with WebhookReceiver(*[("slow", 0.2)] * 10) as receiver:
         hook = deliveries.create_webhook(
             actor=staff, url=receiver.url, events=["escalated"], queues=None, secret=SECRET

@@ -76,7 +76,7 @@ def test_a_killed_hosts_task_returns_and_the_next_agent_resumes_its_progress(
     tmp_path: Path,
 ) -> None:
     server = start_serve(TASKBOARD_MCP_SESSION_IDLE_SECONDS=str(IDLE_SECONDS))
-    planner = UserFactory(username="planner")
+    planner = UserFactory.create(username="planner")
     task = transitions.create(actor=planner, title="long think", queue="llm")
     script = tmp_path / "host.py"
     script.write_text(HOST)
@@ -111,7 +111,7 @@ def test_a_killed_hosts_task_returns_and_the_next_agent_resumes_its_progress(
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running after its host was killed: {alive}"
 
-    other = UserFactory(username="next-agent")
+    other = UserFactory.create(username="next-agent")
     claims = eventually(
         lambda: transitions.claim(actor=other, queues=["llm"]),
         timeout=IDLE_SECONDS + 2 + LEASE_SECONDS + 10,

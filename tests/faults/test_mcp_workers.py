@@ -118,7 +118,7 @@ def in_thread(work: Callable[[], Any]) -> Any:
 def test_sessions_work_whichever_process_each_request_reaches(
     two_workers: ServeProcess, token_for: Callable[[str], str]
 ) -> None:
-    planner = UserFactory(username="planner")
+    planner = UserFactory.create(username="planner")
     tokens = {}
     for n in range(MAX_SESSIONS):
         transitions.create(actor=planner, title=f"task {n}", queue="w")
@@ -168,7 +168,7 @@ def test_sessions_work_whichever_process_each_request_reaches(
 def test_a_session_whose_process_is_killed_is_404_and_a_new_one_works(
     two_workers: ServeProcess, token_for: Callable[[str], str]
 ) -> None:
-    planner = UserFactory(username="planner")
+    planner = UserFactory.create(username="planner")
     for n in range(2):
         transitions.create(actor=planner, title=f"task {n}", queue="w")
     agent = Agent(two_workers.url, token_for("agent"))

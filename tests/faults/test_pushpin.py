@@ -179,7 +179,7 @@ def run_clients(
     """Open CLIENTS streams through Pushpin, make ``events`` events (the fault halfway),
     and return the clients once each has received them all (or the time is up), with the
     ids of the events made, in stream order."""
-    agent = UserFactory(username="agent-smith")
+    agent = UserFactory.create(username="agent-smith")
     port = server.port
 
     async def main() -> tuple[list[Client], list[int]]:

@@ -44,7 +44,7 @@ GRACEFUL_SECONDS = 5  # serve's timeout_graceful_shutdown
 
 def alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)  # psutil is untyped
     except psutil.NoSuchProcess:
         return False
 

@@ -88,7 +88,7 @@ def short_body_timeout(settings: Any) -> None:
 def test_slow_bodies_hold_no_thread_and_are_refused_with_408_when_their_time_is_up(
     server: LiveServer, slow_bodies: list[SlowBody]
 ) -> None:
-    token = TokenFactory(user=UserFactory(username="busy-agent"))
+    token = TokenFactory.create(user=UserFactory.create(username="busy-agent"))
     headers = {"Authorization": f"Bearer {token.key}"}
     started = time.monotonic()
     time.sleep(1)  # every slow client is well into its body

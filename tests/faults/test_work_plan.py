@@ -107,6 +107,7 @@ def test_agents_work_a_plan_in_dependency_order_and_a_spinner_escalates(
 
         eventually(finished, timeout=120, what="the plan and the spinner's escalation")
         last = TaskEvent.objects.order_by("-id").values_list("id", flat=True).first()
+        assert last is not None
         eventually(lambda: follower.ids and follower.ids[-1] >= last, timeout=20, what="the stream")
     finally:
         for worker in workers:
@@ -115,7 +116,7 @@ def test_agents_work_a_plan_in_dependency_order_and_a_spinner_escalates(
 
     tasks = {task.pk: task for task in Task.objects.all()}
     events = list(TaskEvent.objects.order_by("id"))
-    first = {}
+    first: dict[tuple[int, str], int] = {}
     for event in events:
         first.setdefault((event.task_id, event.type), event.pk)
     completed = Counter(event.task_id for event in events if event.type == "completed")
@@ -131,6 +132,7 @@ def test_agents_work_a_plan_in_dependency_order_and_a_spinner_escalates(
             assert first[(task.pk, "claimed")] > first[(dependency, "completed")]
         assert task.progress == {"step": "started"}
     for parent in {task.parent_id for task in subtasks}:
+        assert parent is not None
         assert TaskEvent.objects.filter(task_id=parent, type="commented").count() == 1
     assert TaskEvent.objects.filter(type="unblocked").exists()
 
@@ -139,7 +141,8 @@ def test_agents_work_a_plan_in_dependency_order_and_a_spinner_escalates(
     expiries = [reason for kind, reason in history if kind == "expired"]
     assert expiries == ["attempt_deadline"] * 3, history
     assert history[-1][0] == "escalated"
-    assert tasks[spinner].progress is not None and "spinning" in tasks[spinner].progress
+    spun = tasks[spinner].progress
+    assert spun is not None and "spinning" in spun
 
     # The stream delivered every event exactly once (in commit order, which may differ from
     # id order between transactions that ran at the same time).

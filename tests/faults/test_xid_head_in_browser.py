@@ -142,7 +142,9 @@ def test_the_board_past_ten_thousand_transactions_counts_and_draws_what_the_data
             db.execute("SELECT id FROM task_events WHERE task_id = %s", [sentinel]).fetchone()[0]  # type: ignore[index]
         )
 
-        counts = dict(db.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall())
+        counts: dict[str, int] = dict(
+            db.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall()
+        )
         by_column = {
             column: {
                 task_id
