@@ -34,6 +34,7 @@ from board import transitions
 from board.access import queue_access
 from board.api.permissions import may_pause_queues
 from board.models import (
+    Capabilities,
     Delivery,
     DeliveryStatus,
     QueueLimit,
@@ -260,6 +261,18 @@ class QueueLimitInline(admin.StackedInline):
     verbose_name_plural = "queue limit (none: every queue)"
 
 
+class CapabilitiesInline(admin.StackedInline):
+    """The labels a user offers, on the user's page: a claim takes a task only when the
+    task's requires are among them."""
+
+    model = Capabilities
+    can_delete = True
+    extra = 0
+    max_num = 1
+    verbose_name = "capabilities"
+    verbose_name_plural = "capabilities (none: only tasks that require nothing)"
+
+
 User = get_user_model()
 admin.site.unregister(User)
 
@@ -268,7 +281,7 @@ admin.site.unregister(User)
 class UserAdmin(SelectionChecked, auth_admin.UserAdmin):
     """Django's user admin, with the queue limit on the page and in the list."""
 
-    inlines = [QueueLimitInline]
+    inlines = [QueueLimitInline, CapabilitiesInline]
     list_display = ["username", "email", "first_name", "last_name", "is_staff", "queues"]
     list_select_related = ["queue_limit"]
 

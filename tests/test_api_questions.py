@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def person(db: None) -> Any:
     """A person who may answer questions (the board.answer_task permission)."""
-    return grant(UserFactory(username="person-pat"), "board.answer_task")
+    return grant(UserFactory.create(username="person-pat"), "board.answer_task")
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def asked(client: APIClient, **body: Any) -> dict[str, Any]:
 
 def snapshot(task_id: int) -> tuple[dict[str, Any], int]:
     """The task's row and its number of events: what a refusal must leave as it was."""
-    row = Task.objects.filter(id=task_id).values().get()
+    row = dict(Task.objects.filter(id=task_id).values().get())
     return row, TaskEvent.objects.filter(task_id=task_id).count()
 
 
@@ -249,7 +249,7 @@ def test_answering_twice_is_an_invalid_transition(
 def test_only_an_assignee_or_a_user_with_the_permission_may_answer(
     agent_api: APIClient, other_api: APIClient, api: Callable[[Any], APIClient]
 ) -> None:
-    UserFactory(username="reviewer-rita")
+    UserFactory.create(username="reviewer-rita")
     task = asked(agent_api, assignee="reviewer-rita")
     task2 = asked(agent_api)
     before = snapshot(task["id"])
@@ -258,9 +258,9 @@ def test_only_an_assignee_or_a_user_with_the_permission_may_answer(
     assert_error(post(agent_api, f"tasks/{task['id']}/answer/", {"answer": "x"}), 403)
     assert snapshot(task["id"]) == before
 
-    rita = api(UserFactory(username="reviewer-rita"))
+    rita = api(UserFactory.create(username="reviewer-rita"))
     assert post(rita, f"tasks/{task['id']}/answer/", {"answer": "yes"}).status_code == 200
-    superuser = api(StaffFactory(username="root-ruth", is_superuser=True))
+    superuser = api(StaffFactory.create(username="root-ruth", is_superuser=True))
     assert post(superuser, f"tasks/{task2['id']}/answer/", {"answer": "ok"}).status_code == 200
 
 

@@ -41,19 +41,19 @@ ASKED_AND_DONE = ["created", "claimed", "asked", "answered", "claimed", "complet
 
 
 def token_of(user: Any) -> str:
-    token: Any = TokenFactory(user=user)
+    token: Any = TokenFactory.create(user=user)
     return str(token.key)
 
 
 @pytest.fixture
 def token(fast_password_hashing: None) -> str:
-    return token_of(UserFactory(username=ASKER))
+    return token_of(UserFactory.create(username=ASKER))
 
 
 @pytest.fixture
 def answerer_token(fast_password_hashing: None) -> str:
     """A person who may answer any question: the ``board.answer_task`` permission."""
-    return token_of(grant(UserFactory(username="ada"), "board.answer_task"))
+    return token_of(grant(UserFactory.create(username="ada"), "board.answer_task"))
 
 
 @pytest.fixture
@@ -70,16 +70,17 @@ def person(server: LiveServer, answerer_token: str) -> Iterator[Client]:
 
 @pytest.fixture
 def other_board(server: LiveServer, fast_password_hashing: None) -> Iterator[Client]:
-    with Client(server.url, token_of(UserFactory(username="other-agent"))) as client:
+    with Client(server.url, token_of(UserFactory.create(username="other-agent"))) as client:
         yield client
 
 
 def awaiting(board: Client, task_id: int) -> Task:
     """Wait until the task awaits input; return it as the API shows it."""
-    return eventually(
+    task: Task = eventually(
         lambda: (task := board.get(task_id)).status == "awaiting_input" and task,
         what="the ask",
     )
+    return task
 
 
 def assert_asked_without_lease_or_strike(task: Task, question: str) -> None:

@@ -538,6 +538,7 @@ def test_queues_are_counted_and_staff_pause_and_resume_them(
         "escalated": 0,
         "done": 0,
         "cancelled": 0,
+        "awaiting_input": 0,
     }
     assert mail.oldest_pending_at == first.created_at
     assert queues["video"].counts["pending"] == 1

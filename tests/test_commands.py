@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 
 from access import tokens
 from access.models import ApiToken
-from board.models import QueueLimit
+from board.models import Capabilities, QueueLimit
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fast_password_hashing")]
 
@@ -42,6 +42,20 @@ def test_create_agent_prints_the_token_as_the_last_line() -> None:
     token = output.splitlines()[-1]
     assert tokens.digest(token) == ApiToken.objects.get(user__username="bot-1").digest
     assert len(token) >= 32 and " " not in token
+
+
+def test_create_agent_sets_and_clears_the_agents_capabilities() -> None:
+    output = run("create_agent", "bot-caps", "--capabilities", "gpu, python,gpu")
+
+    assert "offers: gpu, python" in output
+    user = get_user_model().objects.get(username="bot-caps")
+    assert Capabilities.objects.get(user=user).labels == ["gpu", "python"]
+    run("create_agent", "bot-caps")
+    assert Capabilities.objects.get(user=user).labels == ["gpu", "python"]
+    run("create_agent", "bot-caps", "--capabilities", "")
+    assert Capabilities.objects.get(user=user).labels == []
+    with pytest.raises(CommandError, match="not a label"):
+        run("create_agent", "bot-caps", "--capabilities", "Not A Label")
 
 
 def test_the_token_create_agent_prints_authenticates_as_the_agent() -> None:

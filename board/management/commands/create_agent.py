@@ -1,5 +1,7 @@
-"""``manage.py create_agent NAME [--queues q1,q2 | --all-queues]``: create (or reuse) an
-agent user, set the queues it is limited to (board.access), and print its API token.
+"""``manage.py create_agent NAME [--queues q1,q2 | --all-queues] [--capabilities a,b]``:
+create (or reuse) an agent user, set the queues it is limited to (board.access) and the
+capabilities it offers (the labels a task's ``requires`` must be among), and print its API
+token.
 
 Tokens are stored hashed, so an existing agent's token cannot be shown again: run for an
 agent that exists, the command issues a new token, and the old one stops working.
@@ -15,7 +17,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from access import tokens
 from board.access import limit_queues, queue_access
-from board.models import queue_validator
+from board.models import Capabilities, label_validator, queue_validator
 
 
 def queue_list(value: str) -> list[str]:
@@ -31,6 +33,19 @@ def queue_list(value: str) -> list[str]:
                 f"--queues: {name!r} is not a queue name: {exc.messages[0]}"
             ) from None
     return names
+
+
+def label_list(value: str) -> list[str]:
+    """Parse ``--capabilities``: comma-separated labels (none: an empty value)."""
+    labels = sorted({label.strip() for label in value.split(",") if label.strip()})
+    for label in labels:
+        try:
+            label_validator(label)
+        except ValidationError as exc:
+            raise CommandError(
+                f"--capabilities: {label!r} is not a label: {exc.messages[0]}"
+            ) from None
+    return labels
 
 
 class Command(BaseCommand):
@@ -55,6 +70,14 @@ class Command(BaseCommand):
             action="store_true",
             help="lift the agent's queue limit: it may use every queue again",
         )
+        parser.add_argument(
+            "--capabilities",
+            help=(
+                "comma-separated labels the agent offers: it claims a task only when the "
+                "task's requires are among them (an empty value clears them; default: "
+                "an existing agent keeps its own)"
+            ),
+        )
 
     def handle(
         self,
@@ -62,10 +85,12 @@ class Command(BaseCommand):
         name: str,
         queues: str | None = None,
         all_queues: bool = False,
+        capabilities: str | None = None,
         **options: Any,
     ) -> None:
         User = get_user_model()
         limit = queue_list(queues) if queues is not None else None
+        labels = label_list(capabilities) if capabilities is not None else None
         if not name.strip():
             raise CommandError("The agent's name must not be empty.")
         try:
@@ -82,6 +107,9 @@ class Command(BaseCommand):
             self.stdout.write(f"Agent {name!r} may use every queue.")
         else:
             self.stdout.write(f"Agent {name!r} is limited to: {', '.join(sorted(access.queues))}.")
+        if labels is not None:
+            Capabilities.objects.update_or_create(user=user, defaults={"labels": labels})
+            self.stdout.write(f"Agent {name!r} offers: {', '.join(labels) or 'no capabilities'}.")
 
         token = tokens.issue(user)
         if created:
