@@ -261,16 +261,14 @@ class QueueLimitInline(admin.StackedInline):
     verbose_name_plural = "queue limit (none: every queue)"
 
 
-class CapabilitiesInline(admin.StackedInline):
-    """The labels a user offers, on the user's page: a claim takes a task only when the
-    task's requires are among them."""
+@admin.register(Capabilities)
+class CapabilitiesAdmin(admin.ModelAdmin):
+    """The labels each user offers: a claim takes a task only when the task's requires
+    are among them (a user without a row offers none)."""
 
-    model = Capabilities
-    can_delete = True
-    extra = 0
-    max_num = 1
-    verbose_name = "capabilities"
-    verbose_name_plural = "capabilities (none: only tasks that require nothing)"
+    list_display = ["user", "labels"]
+    search_fields = ["user__username"]
+    raw_id_fields = ["user"]
 
 
 User = get_user_model()
@@ -281,7 +279,7 @@ admin.site.unregister(User)
 class UserAdmin(SelectionChecked, auth_admin.UserAdmin):
     """Django's user admin, with the queue limit on the page and in the list."""
 
-    inlines = [QueueLimitInline, CapabilitiesInline]
+    inlines = [QueueLimitInline]
     list_display = ["username", "email", "first_name", "last_name", "is_staff", "queues"]
     list_select_related = ["queue_limit"]
 

@@ -43,10 +43,100 @@ CREATE INDEX tasks_requires_idx ON tasks USING gin (requires) WHERE requires <> 
 CREATE INDEX tasks_question_assignee_idx ON tasks ((question -> 'assignee'))
     WHERE question IS NOT NULL;
 -- The counters' function takes the new bucket; the schema files define it anew.
-DROP FUNCTION queue_counters_add(text, bigint, bigint, bigint, bigint, bigint, bigint);
+DROP FUNCTION IF EXISTS queue_counters_add(text, bigint, bigint, bigint, bigint, bigint, bigint);
 """
 
 UNDO_INDEXES = """
+-- The counters as they were (board/sql/schema/counters.sql before this migration), before
+-- the column they now count is dropped.
+CREATE OR REPLACE FUNCTION queue_counters_add(
+    p_queue text, p_pending bigint, p_blocked bigint, p_in_progress bigint,
+    p_escalated bigint, p_done bigint, p_cancelled bigint
+) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    LOOP
+        -- The first shard row of the queue that no other transaction holds.
+        UPDATE queue_counters SET
+            pending = pending + p_pending, blocked = blocked + p_blocked,
+            in_progress = in_progress + p_in_progress, escalated = escalated + p_escalated,
+            done = done + p_done, cancelled = cancelled + p_cancelled
+        WHERE id = (SELECT id FROM queue_counters
+                    WHERE queue = p_queue ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED);
+        IF FOUND THEN
+            RETURN;
+        END IF;
+        -- Every shard is held by another transaction: add one, with a random number.
+        INSERT INTO queue_counters
+            (queue, shard, pending, blocked, in_progress, escalated, done, cancelled)
+        VALUES (p_queue, (random() * 2147483646)::integer, p_pending, p_blocked,
+                p_in_progress, p_escalated, p_done, p_cancelled)
+        ON CONFLICT (queue, shard) DO NOTHING;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION tasks_count_insert() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM queue_counters_add(
+        queue,
+        count(*) FILTER (WHERE bucket = 'pending'),
+        count(*) FILTER (WHERE bucket = 'blocked'),
+        count(*) FILTER (WHERE bucket = 'in_progress'),
+        count(*) FILTER (WHERE bucket = 'escalated'),
+        count(*) FILTER (WHERE bucket = 'done'),
+        count(*) FILTER (WHERE bucket = 'cancelled'))
+    FROM (SELECT queue, task_count_bucket(status, open_dependencies) AS bucket
+          FROM inserted_tasks) t
+    GROUP BY queue;
+    RETURN NULL;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION tasks_count_update() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM queue_counters_add(queue, pending, blocked, in_progress, escalated, done, cancelled)
+    FROM (
+        SELECT queue,
+               sum(CASE bucket WHEN 'pending' THEN n ELSE 0 END) AS pending,
+               sum(CASE bucket WHEN 'blocked' THEN n ELSE 0 END) AS blocked,
+               sum(CASE bucket WHEN 'in_progress' THEN n ELSE 0 END) AS in_progress,
+               sum(CASE bucket WHEN 'escalated' THEN n ELSE 0 END) AS escalated,
+               sum(CASE bucket WHEN 'done' THEN n ELSE 0 END) AS done,
+               sum(CASE bucket WHEN 'cancelled' THEN n ELSE 0 END) AS cancelled
+        FROM (
+            SELECT o.queue, task_count_bucket(o.status, o.open_dependencies) AS bucket,
+                   -1 AS n
+            FROM old_tasks o
+            UNION ALL
+            SELECT n.queue, task_count_bucket(n.status, n.open_dependencies), 1
+            FROM new_tasks n
+        ) moves
+        GROUP BY queue
+    ) deltas
+    WHERE (pending, blocked, in_progress, escalated, done, cancelled)
+          IS DISTINCT FROM (0, 0, 0, 0, 0, 0);
+    RETURN NULL;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION task_events_count_types() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- In type order, so that two statements of several types take their shards in the
+    -- same order (SKIP LOCKED never waits, but the insert of a new shard may).
+    PERFORM event_counters_add(type, n)
+    FROM (SELECT type, count(*) AS n FROM inserted_events GROUP BY type ORDER BY type) c;
+    RETURN NULL;
+END;
+$$;
+DROP FUNCTION IF EXISTS queue_counters_add(
+    text, bigint, bigint, bigint, bigint, bigint, bigint, bigint);
 DROP INDEX tasks_question_assignee_idx;
 DROP INDEX tasks_requires_idx;
 DROP INDEX tasks_assignee_idx;
