@@ -7,14 +7,12 @@ NOTIFY of each new event and the partial indexes the claim query runs on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
-from django.db.models import Min
 from django.db.models.functions import Now
 from django.urls import reverse
 
@@ -73,27 +71,6 @@ class TaskQuerySet(models.QuerySet["Task"]):
         """Pending tasks with a dependency that is not done (or, False, all the others)."""
         condition = models.Q(status=TaskStatus.PENDING, open_dependencies__gt=0)
         return self.filter(condition) if blocked else self.exclude(condition)
-
-    def next_claimable_at(self, queues: Sequence[str] | None = None) -> datetime | None:
-        """Return when the next task in ``queues`` becomes claimable, or a claim has work
-        to do, without any event: a pending task's future run_after, the end of its hold
-        for the agent that asked, an in-progress task's lease deadline, or the deadline
-        of a question (escalated by the claim then). Paused queues are left out (their
-        resume is an event of its own), and so are blocked tasks (their unblocking is an
-        event)."""
-        tasks = self.filter(queue__in=queues) if queues else self
-        tasks = tasks.exclude(queue__in=QueueState.objects.filter(paused=True).values("name"))
-        pending = tasks.filter(status=TaskStatus.PENDING, open_dependencies=0)
-        due = pending.filter(run_after__gt=Now()).aggregate(at=Min("run_after"))["at"]
-        hold = pending.filter(held_for__isnull=False, held_until__gt=Now()).aggregate(
-            at=Min("held_until")
-        )["at"]
-        expiry = tasks.filter(status=TaskStatus.IN_PROGRESS).aggregate(at=Min("leased_until"))["at"]
-        question = tasks.filter(status=TaskStatus.AWAITING_INPUT).aggregate(at=Min("answer_by"))[
-            "at"
-        ]
-        times = (due, hold, expiry, question)
-        return min((at for at in times if at is not None), default=None)
 
 
 class Task(models.Model):

@@ -4,10 +4,13 @@ keep in step with every transition (never a scan of tasks or of the event log)."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import connection
 
+from board import sql
 from board.access import QueueAccess
 from board.sql import QUERIES
 
@@ -117,3 +120,17 @@ def agent_list(
     if access is not None and access.limited:
         agents = [agent for agent in agents if agent["name"] == viewer]
     return agents
+
+
+def next_claimable_at(queues: Sequence[str] | None = None) -> datetime | None:
+    """Return when the next task in ``queues`` (None or empty: every queue) becomes
+    claimable, or a claim has work to do, without any event to announce it: a pending
+    task's future run_after, the end of its hold for the agent that asked, an in-progress
+    task's lease deadline, or the deadline of a question (escalated by the claim then).
+    Paused queues and blocked tasks are left out. One round trip (board/sql/queues.sql)."""
+    rows = sql.run(
+        QUERIES["next_claimable_at"], {"all_queues": not queues, "queues": list(queues or [])}
+    )
+    at = rows[0]["at"]
+    assert at is None or isinstance(at, datetime)
+    return at

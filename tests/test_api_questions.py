@@ -12,6 +12,7 @@ import pytest
 from django.db import connection
 from rest_framework.test import APIClient
 
+from board import queues as glance
 from board.models import Capabilities, Task, TaskEvent
 from tests.factories import StaffFactory, UserFactory, grant
 from tests.test_api import assert_error, assert_invalid, claim, claim_one, create, get, post
@@ -369,3 +370,19 @@ def test_queues_count_the_tasks_awaiting_input(agent_api: APIClient) -> None:
     [queue] = [q for q in response.json() if q["name"] == "questions"]
     assert queue["counts"]["awaiting_input"] == 1
     assert queue["counts"]["in_progress"] == 0
+
+
+def test_a_waiting_claim_is_told_when_a_question_is_due_and_when_a_hold_ends(
+    agent_api: APIClient, person_api: APIClient
+) -> None:
+    task = asked(agent_api, answer_within=600)
+    row = Task.objects.get(id=task["id"])
+
+    assert glance.next_claimable_at(["questions"]) == row.answer_by
+    assert glance.next_claimable_at(["elsewhere"]) is None
+
+    post(person_api, f"tasks/{task['id']}/answer/", {"answer": "fine"})
+    row.refresh_from_db()
+    assert row.held_until is not None
+    assert glance.next_claimable_at(["questions"]) == row.held_until
+    assert glance.next_claimable_at(None) == row.held_until

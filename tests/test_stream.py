@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -1735,3 +1736,36 @@ def test_the_relay_keeps_events_within_its_bytes_and_replays_older_ones_from_the
 
 def max_event_id() -> int:
     return int(TaskEvent.objects.order_by("-id").values_list("id", flat=True)[0])
+
+
+@pytest.mark.parametrize(
+    ("changes", "restricted"),
+    [
+        ({}, False),
+        ({"assignee": "agent-jones"}, True),
+        ({"requires": ["gpu"]}, True),
+        ({"held_until": datetime.now(UTC) + timedelta(minutes=5)}, True),
+        # A hold that ended stays on the row until the next claim: anyone may claim now.
+        ({"held_until": datetime.now(UTC) - timedelta(minutes=5)}, False),
+    ],
+)
+def test_an_event_says_whether_only_some_claimants_may_take_its_task(
+    changes: dict[str, Any], restricted: bool
+) -> None:
+    row: dict[str, Any] = {
+        "txid": "7",
+        "event_id": 3,
+        "id": 1,
+        "event_type": "answered",
+        "event_status": "pending",
+        "queue": "q",
+        "run_after": None,
+        "leased_until": None,
+        "answer_by": None,
+        "held_until": None,
+        "assignee": None,
+        "requires": [],
+        **changes,
+    }
+
+    assert relay_module._stream_event(row).restricted is restricted

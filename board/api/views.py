@@ -396,7 +396,7 @@ class TaskViewSet(BoardViewSet):
             # announce it, and the queues this claim takes from (fewer than its body named,
             # for an agent limited to queues).
             report.empty = True
-            at = Task.objects.next_claimable_at(queues)
+            at = glance.next_claimable_at(queues)
             report.next_claimable = at.timestamp() if at is not None else None
             if self.access.limited:
                 report.queues = frozenset(queues)

@@ -194,6 +194,12 @@ def _row_bytes(row: dict[str, Any]) -> int:
     return size
 
 
+def _held(until: datetime | None) -> bool:
+    """Whether a hold for an asker lasts still: held_until stays on the row after it ends,
+    until the task is next claimed."""
+    return until is not None and until.timestamp() > time.time()
+
+
 def _stream_event(row: dict[str, Any]) -> StreamEvent:
     """Build one event of the stream from a ``stream_after`` row (encoded when first
     written: see :attr:`StreamEvent.sse`)."""
@@ -207,7 +213,7 @@ def _stream_event(row: dict[str, Any]) -> StreamEvent:
         leased_until=row["leased_until"],
         answer_by=row["answer_by"],
         held_until=row["held_until"],
-        restricted=bool(row["assignee"] or row["requires"] or row["held_until"]),
+        restricted=bool(row["assignee"] or row["requires"] or _held(row["held_until"])),
         source=row,
         size=_row_bytes(row),
     )

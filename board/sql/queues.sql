@@ -140,3 +140,27 @@ SELECT COALESCE(sum(pending), 0) AS pending, COALESCE(sum(blocked), 0) AS blocke
 FROM queue_counters
 WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
   AND (%(queue)s::text IS NULL OR queue = %(queue)s::text);
+
+-- name: next_claimable_at
+-- When the next task of %(queues)s (every queue when %(all_queues)s) becomes claimable, or
+-- a claim has work to do, without any event to announce it: the earliest of a pending
+-- task's future run_after (tasks_pending_run_after_idx), the end of a hold for an asker
+-- (tasks_held_for_idx), an in-progress task's lease deadline (tasks_in_progress_lease_idx)
+-- and a question's deadline (tasks_awaiting_input_idx). Paused queues are left out (their
+-- resume is an event), and so are blocked tasks (their unblocking is an event). One round
+-- trip for a waiting claim's empty attempt; each part its own index's scan (NOT
+-- MATERIALIZED: a CTE read four times would otherwise be one scan of every task).
+WITH open AS NOT MATERIALIZED (
+    SELECT * FROM tasks
+    WHERE (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND NOT EXISTS (SELECT 1 FROM queue_states s WHERE s.name = tasks.queue AND s.paused)
+)
+SELECT LEAST(
+    (SELECT min(run_after) FROM open
+     WHERE status = 'pending' AND open_dependencies = 0 AND run_after > now()),
+    (SELECT min(held_until) FROM open
+     WHERE status = 'pending' AND open_dependencies = 0 AND held_for IS NOT NULL
+       AND held_until > now()),
+    (SELECT min(leased_until) FROM open WHERE status = 'in_progress'),
+    (SELECT min(answer_by) FROM open WHERE status = 'awaiting_input')
+) AS at;
