@@ -1744,14 +1744,17 @@ def max_event_id() -> int:
         ({}, False),
         ({"assignee": "agent-jones"}, True),
         ({"requires": ["gpu"]}, True),
-        ({"held_until": datetime.now(UTC) + timedelta(minutes=5)}, True),
+        # Held for 5 minutes more (the time is taken when the test runs, not collected).
+        ({"held_until": timedelta(minutes=5)}, True),
         # A hold that ended stays on the row until the next claim: anyone may claim now.
-        ({"held_until": datetime.now(UTC) - timedelta(minutes=5)}, False),
+        ({"held_until": timedelta(minutes=-5)}, False),
     ],
 )
 def test_an_event_says_whether_only_some_claimants_may_take_its_task(
     changes: dict[str, Any], restricted: bool
 ) -> None:
+    if isinstance(changes.get("held_until"), timedelta):
+        changes = {**changes, "held_until": datetime.now(UTC) + changes["held_until"]}
     row: dict[str, Any] = {
         "txid": "7",
         "event_id": 3,
