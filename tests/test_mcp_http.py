@@ -259,7 +259,11 @@ def test_a_session_is_served_by_its_process_whichever_process_a_request_reaches(
     tag = session_id.partition("-")[0]
     assert (directory / f"{tag}.sock").exists() and len(list(directory.iterdir())) == 2
 
-    time.sleep(3)  # past the lease: only the heartbeats of the session (in A) keep it
+    # Past the lease: only the heartbeats of the session (in A) keep it. Not much past: with
+    # no request in flight and no stream open, the session stops heartbeating AWAY_AFTER
+    # (2 s) after the last request, and its last heartbeat's lease must still hold when the
+    # call below reaches A through B on a loaded machine (3 s left 0.9 s for that).
+    time.sleep(2.5)
     status, body = call(
         f"{b.url}/mcp/", alice, session_id, "report_progress", task_id=task_id, progress=1
     )
